@@ -1,0 +1,32 @@
+# kvwire developer entry points. `make demo` and `make test` work on a fresh clone:
+# both create .venv and install the package with what they need.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench schemas clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch: take the pinned CPU wheel first; a bare `torch` requirement would resolve to a CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvwire demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_core.py
+
+# Regenerate python/kvwire/fbs from schemas/ (needs flatc: apt-get install flatbuffers-compiler).
+schemas: $(STAMP)
+	$(PY) tools/gen_schemas.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info python/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,30 @@
+"""kvwire: an open wire format and reference codec for LLM KV caches.
+
+First screen of the API::
+
+    kvwire.save(path, cache)            # atomic file write
+    kvwire.load(path_or_bytes)          # a KVCache with checksums verified
+    kvwire.open(path_or_bytes)          # Reader: header + zero-copy chunk views
+    kvwire.probe(first_bytes)           # the header alone, from the first bytes
+    kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
+
+The package uses relative imports only and keeps no global state, so it can be
+vendored under another name.
+"""
+
+from .cache import KVCache
+from .errors import (
+    ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
+    SchemaError, TruncatedError, VersionError,
+)
+from .header import Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange
+from .reader import Reader, load, open, probe
+from .version import __version__
+from .writer import Encoder, encode, iter_buffers, save
+
+__all__ = [
+    "Architecture", "ChecksumError", "CodecError", "Encoder", "FeatureError", "FormatError", "Header",
+    "HeaderError", "KVCache", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
+    "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "TokenRange", "TruncatedError",
+    "VersionError", "__version__", "encode", "iter_buffers", "load", "open", "probe", "save",
+]

@@ -1,0 +1,152 @@
+"""The chunk grid: which chunks a header implies, and checking a record table against it.
+
+A layer's token range is cut at multiples of ``chunk_tokens`` counted from cache token 0
+(spec KVW-CHUNK-2), so every (layer, component, cell) has at most one chunk and the
+expected set is known from the header alone. Record checks are vectorized over the
+structured view of the records (an index of a million chunks is checked in numpy, not
+in a Python loop), except the offset chain, which is inherently sequential.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import limits as L
+from . import registry as R
+from .container import FRAME_SIZE, PREAMBLE_SIZE, next_frame_offset
+from .errors import CodecError, FeatureError, LayoutError, LimitError
+from .header import Header
+
+NCOMP = len(R.COMPONENTS)
+
+
+def grid(start: int, count: int, chunk_tokens: int):
+    """(token_start, token_count) of each chunk of the token range [start, start+count)."""
+    t, stop = start, start + count
+    while t < stop:
+        end = min((t // chunk_tokens + 1) * chunk_tokens, stop)
+        yield t, end - t
+        t = end
+
+
+def on_grid(t0: int, n: int, chunk_tokens: int, lo: int, hi: int) -> bool:
+    """Is [t0, t0+n) exactly one grid cell of the layer token range [lo, hi)? (KVW-CHUNK-2)"""
+    t1, C = t0 + n, chunk_tokens
+    return (n >= 1 and lo <= t0 and t1 <= hi and (t0 == lo or t0 % C == 0) and (t1 == hi or t1 % C == 0)
+            and t0 // C == (t1 - 1) // C)
+
+
+def planned_chunks(h: Header):
+    """(layer, component, token_start, token_count) of every chunk, layer-major."""
+    for layer, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
+        for comp in spec.components:
+            for t0, n in grid(r.start, r.count, h.chunk_tokens):
+                yield layer, comp, t0, n
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Per (layer, component) geometry arrays derived from the header, for vectorized checks."""
+
+    heads: np.ndarray  # [L, NCOMP], 0 where the component is not stored
+    dims: np.ndarray  # [L, NCOMP]
+    start: np.ndarray  # [L]
+    stop: np.ndarray  # [L]
+    base: np.ndarray  # [L, NCOMP] slot of the component's first chunk
+    total: int  # chunks the header implies
+
+    @classmethod
+    def of(cls, h: Header) -> "ChunkTable":
+        n = h.num_layers
+        heads = np.zeros((n, NCOMP), np.int64)
+        dims = np.zeros((n, NCOMP), np.int64)
+        for i, spec in enumerate(h.arch.layers):
+            for comp in spec.components:
+                c = R.COMPONENTS[comp]
+                heads[i, c], _, dims[i, c] = spec.shape(comp, 1)
+        start = np.array([r.start for r in h.layer_tokens], np.int64)
+        stop = np.array([r.stop for r in h.layer_tokens], np.int64)
+        C = h.chunk_tokens
+        cells = np.where(stop > start, (stop - 1) // C - start // C + 1, 0)
+        counts = np.where(heads > 0, cells[:, None], 0)
+        flat = counts.reshape(-1)
+        base = (np.cumsum(flat) - flat).reshape(n, NCOMP)
+        return cls(heads, dims, start, stop, base, int(flat.sum()))
+
+    def slot(self, layer: int, component: int, token_start: int, chunk_tokens: int) -> int:
+        return int(self.base[layer, component] + token_start // chunk_tokens - self.start[layer] // chunk_tokens)
+
+
+def _fail(mask: np.ndarray, exc, code: str, rule: str, what: str) -> None:
+    if mask.any():
+        i = int(np.argmax(mask))
+        raise exc(code, f"chunk record {i}: {what}", rule=rule)
+
+
+def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
+    """Validate records against the header; return ``lookup[slot] -> record index``."""
+    C = h.chunk_tokens
+    n = len(rec)
+    if n > L.MAX_CHUNKS:
+        raise LimitError("LIMIT_EXCEEDED", f"{n} chunks exceed {L.MAX_CHUNKS}", rule="KVW-LIM-1")
+    layer = rec["layer"].astype(np.int64)
+    comp = rec["component"].astype(np.int64)
+    _fail(layer >= h.num_layers, LayoutError, "LAYER_OUT_OF_RANGE", "KVW-CHUNK-1", "layer index out of range")
+    _fail(comp >= NCOMP, LayoutError, "ENUM_OUT_OF_RANGE", "KVW-CHUNK-1", "component code not in the registry")
+    heads = table.heads[layer, comp]
+    _fail(heads == 0, LayoutError, "COMPONENT_INVALID", "KVW-CHUNK-1", "component not stored by this layer's kind")
+    _fail((rec["reserved0"] != 0) | (rec["reserved1"] != 0), LayoutError, "RESERVED_NONZERO", "KVW-CHUNK-7",
+          "reserved field is not zero")
+    flags_unknown = rec["flags"].astype(np.int64) & (R.CHUNK_FLAGS_REQUIRED_MASK & ~R.KNOWN_REQUIRED_CHUNK_FLAGS)
+    _fail(flags_unknown != 0, FeatureError, "UNSUPPORTED_FEATURE", "KVW-EVOL-4", "unknown required flag bit")
+    _fail(rec["codec"] >= len(R.CODECS), CodecError, "UNKNOWN_CODEC", "KVW-CHUNK-5", "codec not in the registry")
+
+    t0 = rec["token_start"].astype(np.int64)
+    t1 = t0 + rec["token_count"].astype(np.int64)
+    lo, hi = table.start[layer], table.stop[layer]
+    bad_grid = (t1 <= t0) | (t0 < lo) | (t1 > hi) | ((t0 != lo) & (t0 % C != 0)) | ((t1 != hi) & (t1 % C != 0)) \
+        | (t0 // C != (t1 - 1) // C)
+    _fail(bad_grid, LayoutError, "CHUNK_BOUNDARY", "KVW-CHUNK-2",
+          "token range is not one cell of the chunk grid within the layer's tokens")
+    _fail((rec["head_start"] != 0) | (rec["head_count"] != heads), LayoutError, "HEAD_RANGE", "KVW-CHUNK-3",
+          "head range must cover all heads of the component")
+    expected = heads * (t1 - t0) * table.dims[layer, comp] * h.itemsize
+    _fail(rec["raw_length"].astype(np.int64) != expected, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4",
+          "raw_length != heads x tokens x head_dim x dtype size")
+    stored = rec["stored_length"]
+    _fail(stored == 0, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4", "stored_length is 0")
+    _fail((rec["codec"] == R.CODECS["raw"]) & (stored != rec["raw_length"]), CodecError, "RAW_LENGTH_MISMATCH",
+          "KVW-CHUNK-6", "raw codec with stored_length != raw_length")
+
+    if n != table.total:
+        raise LayoutError("CHUNK_MISSING" if n < table.total else "CHUNK_DUPLICATE",
+                          f"{n} chunk records, the header implies {table.total}", rule="KVW-CHUNK-8")
+    slots = table.base[layer, comp] + t0 // C - lo // C
+    lookup = np.full(n, -1, np.int64)
+    lookup[slots] = np.arange(n)
+    if (lookup < 0).any():
+        raise LayoutError("CHUNK_DUPLICATE", "two records describe the same chunk", rule="KVW-CHUNK-8")
+    return lookup
+
+
+def check_offsets(rec: np.ndarray, header_length: int, alignment: int, size: int | None) -> int:
+    """Body offsets follow the layout chain (KVW-LAYOUT-1); returns the end of the last body.
+
+    ``size`` is the container length when known, so a body past the end is reported
+    before anything reads it.
+    """
+    end = PREAMBLE_SIZE + header_length
+    offsets = rec["offset"].tolist()
+    lengths = rec["stored_length"].tolist()
+    for i, (off, length) in enumerate(zip(offsets, lengths)):
+        want = next_frame_offset(end, alignment) + FRAME_SIZE
+        if off != want:
+            raise LayoutError("BAD_OFFSET", f"chunk record {i}: body offset {off}, layout rule gives {want} "
+                              "(misaligned, overlapping or leaving a hole)", rule="KVW-LAYOUT-1")
+        end = off + length
+        if size is not None and end > size:
+            raise LayoutError("BODY_OUT_OF_BOUNDS", f"chunk record {i}: body ends at {end}, container has {size} bytes",
+                              rule="KVW-LAYOUT-5")
+    return end

@@ -1,0 +1,216 @@
+"""Byte layout of a container around the header: preamble, frames, end frame, trailer.
+
+Pure functions over buffers (no I/O). Positions are fully determined by the header
+length, the alignment and the stored body lengths (``next_frame_offset``), so "no holes,
+no overlaps, aligned bodies" is a single equality per chunk rather than a set of
+interval checks (spec KVW-LAYOUT-1).
+
+::
+
+    preamble (32) | header (N) | pad | frame (64) | body | pad | frame | body | ...
+                  | pad | end frame (64) [ | index | pad | trailer (32) ]   <- file form
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import xxhash
+
+from . import limits as L
+from .errors import ChecksumError, LayoutError, LimitError, MagicError, TruncatedError, VersionError
+from .registry import FORMAT_MAJOR, FORMAT_MINOR
+
+MAGIC = b"\x89KVW\r\n\x1a\n"
+PREAMBLE_SIZE = 32
+FRAME_SIZE = 64
+RECORD_SIZE = 56
+TRAILER_SIZE = 32
+CHUNK_MARKER = b"KWCH"
+END_MARKER = b"KWEN"
+TRAILER_MAGIC = b"KVWINDEX"
+INDEX_IDENTIFIER = b"KVWI"
+
+_PREAMBLE = struct.Struct("<8sHHIQII")  # magic, major, minor, header_length, header_checksum, reserved, check
+_FRAME_HEAD = struct.Struct("<4sI")  # marker, frame_check
+_END = struct.Struct("<QQ40x")  # chunk_count, records_digest, reserved
+_TRAILER = struct.Struct("<QII Q8s".replace(" ", ""))  # index_offset, index_length, reserved, index_checksum, magic
+
+# ChunkRecord (FlatBuffers struct, 56 bytes) as a numpy structured dtype: the index and
+# every frame are read through this view, never field by field.
+RECORD_DTYPE = np.dtype([
+    ("offset", "<u8"), ("stored_length", "<u8"), ("raw_length", "<u8"), ("checksum", "<u8"),
+    ("token_start", "<u4"), ("token_count", "<u4"), ("layer", "<u2"), ("component", "u1"),
+    ("codec", "u1"), ("flags", "<u2"), ("head_start", "<u2"), ("head_count", "<u2"),
+    ("reserved0", "<u2"), ("reserved1", "<u4"),
+])
+assert RECORD_DTYPE.itemsize == RECORD_SIZE
+
+
+def xxh3(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def check32(data) -> int:
+    """Low 32 bits of XXH3-64: the self-check of the preamble and of every frame."""
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) & ~(a - 1)
+
+
+def next_frame_offset(prev_end: int, alignment: int) -> int:
+    """Where the next frame starts: the latest point that still leaves its body aligned."""
+    return align_up(prev_end + FRAME_SIZE, alignment) - FRAME_SIZE
+
+
+# ---------------------------------------------------------------------------------------
+# Preamble
+# ---------------------------------------------------------------------------------------
+
+def build_preamble(header: bytes) -> bytes:
+    head = _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(header), xxh3(header), 0, 0)
+    return head[:28] + struct.pack("<I", check32(head[:28]))
+
+
+def _diagnose_magic(first: bytes) -> MagicError:
+    if first[:4] == MAGIC[:4] and first[4:6] == b"\n\x1a":
+        return MagicError("TEXT_MODE_MANGLED", "CRLF became LF: the file went through a text-mode transfer", rule="KVW-PRE-1")
+    if first[1:4] == b"KVW" and first[0] == 0x09:
+        return MagicError("TEXT_MODE_MANGLED", "high bit stripped: the file went through a 7-bit channel", rule="KVW-PRE-1")
+    if first[1:4] == b"KVW" and first[4:6] == b"\r\r":
+        return MagicError("TEXT_MODE_MANGLED", "LF became CRLF: the file went through a text-mode transfer", rule="KVW-PRE-1")
+    return MagicError("BAD_MAGIC", f"not a kvwire container (starts with {bytes(first[:8])!r})", rule="KVW-PRE-1")
+
+
+def parse_preamble(buf) -> tuple[int, int, int]:
+    """(minor, header_length, header_checksum) after the preamble checks (KVW-PRE-1..5)."""
+    n = len(buf)
+    first = bytes(buf[: min(n, 8)])
+    if first != MAGIC[: len(first)]:
+        raise _diagnose_magic(first)
+    if n < PREAMBLE_SIZE:
+        raise TruncatedError(f"preamble needs {PREAMBLE_SIZE} bytes, have {n}", needed=PREAMBLE_SIZE, rule="KVW-PRE-1")
+    raw = bytes(buf[:PREAMBLE_SIZE])
+    _, major, minor, hlen, hsum, reserved, check = _PREAMBLE.unpack(raw)
+    if check32(raw[:28]) != check:
+        raise ChecksumError("PREAMBLE_CHECKSUM", "preamble self-check mismatch", rule="KVW-PRE-4")
+    if major != FORMAT_MAJOR:
+        raise VersionError("UNSUPPORTED_VERSION", f"format {major}.{minor}; this reader implements major {FORMAT_MAJOR}",
+                           rule="KVW-PRE-2")
+    if reserved:
+        raise LayoutError("RESERVED_NONZERO", "preamble reserved field is not zero", rule="KVW-PRE-3")
+    if hlen > L.MAX_HEADER_LENGTH:
+        raise LimitError("HEADER_TOO_LARGE", f"header length {hlen} exceeds {L.MAX_HEADER_LENGTH}", rule="KVW-PRE-5")
+    return minor, hlen, hsum
+
+
+def header_bytes(buf, hlen: int, hsum: int):
+    """The header's bytes, checksum verified (KVW-PRE-6)."""
+    end = PREAMBLE_SIZE + hlen
+    if len(buf) < end:
+        raise TruncatedError(f"header needs {end} bytes, have {len(buf)}", needed=end, rule="KVW-PRE-5")
+    data = bytes(buf[PREAMBLE_SIZE:end])
+    if xxh3(data) != hsum:
+        raise ChecksumError("HEADER_CHECKSUM", "header bytes do not match the preamble's checksum", rule="KVW-PRE-6")
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+# Frames
+# ---------------------------------------------------------------------------------------
+
+def build_frame(record: np.ndarray) -> bytes:
+    body = record.tobytes()
+    return CHUNK_MARKER + struct.pack("<I", check32(body)) + body
+
+
+def build_end_frame(chunk_count: int, records_digest: int) -> bytes:
+    body = _END.pack(chunk_count, records_digest)
+    return END_MARKER + struct.pack("<I", check32(body)) + body
+
+
+def parse_frame(buf, pos: int) -> tuple[bytes, bytes]:
+    """(marker, 56 frame bytes) of the frame at ``pos``, self-check verified (KVW-FRAME-1, -2)."""
+    if pos + FRAME_SIZE > len(buf):
+        raise TruncatedError(f"frame at {pos} runs past the end ({len(buf)} bytes)", needed=pos + FRAME_SIZE,
+                             rule="KVW-LAYOUT-3")
+    raw = bytes(buf[pos : pos + FRAME_SIZE])
+    marker, check = _FRAME_HEAD.unpack_from(raw)
+    if marker not in (CHUNK_MARKER, END_MARKER):
+        raise LayoutError("BAD_FRAME_MARKER", f"no frame marker at {pos} (found {marker!r})", rule="KVW-FRAME-1")
+    if check32(raw[8:]) != check:
+        raise ChecksumError("FRAME_CHECKSUM", f"frame at {pos} fails its self-check", rule="KVW-FRAME-2")
+    return marker, raw[8:]
+
+
+def parse_end_frame(body: bytes) -> tuple[int, int]:
+    count, digest = _END.unpack(body)
+    if any(body[16:]):
+        raise LayoutError("RESERVED_NONZERO", "end frame reserved bytes are not zero", rule="KVW-STREAM-1")
+    return count, digest
+
+
+def check_zero(buf, start: int, stop: int) -> None:
+    """Padding is zero (KVW-LAYOUT-2): a container has exactly one byte representation."""
+    if stop > start and np.frombuffer(buf, np.uint8, stop - start, start).any():
+        raise LayoutError("NONZERO_PADDING", f"padding bytes [{start}, {stop}) are not zero", rule="KVW-LAYOUT-2")
+
+
+# ---------------------------------------------------------------------------------------
+# File-form index and trailer
+# ---------------------------------------------------------------------------------------
+
+def build_index(records: np.ndarray) -> bytes:
+    """ChunkIndex FlatBuffer: root offset, identifier, then the table and its struct vector."""
+    import flatbuffers
+
+    from .fbs import ChunkIndex as fbIndex
+
+    b = flatbuffers.Builder(64 + records.nbytes)
+    b.StartVector(RECORD_SIZE, len(records), 8)
+    b.head -= records.nbytes
+    b.Bytes[b.head : b.head + records.nbytes] = records.tobytes()
+    vec = b.EndVector()
+    fbIndex.Start(b)
+    fbIndex.AddRecords(b, vec)
+    b.Finish(fbIndex.End(b), file_identifier=INDEX_IDENTIFIER)
+    return bytes(b.Output())
+
+
+def parse_index(data: bytes) -> np.ndarray:
+    """The index's record vector as a structured numpy view (KVW-FILE-5)."""
+    from .flatbuf import Buffer
+
+    t = Buffer(data, INDEX_IDENTIFIER, "KVW-FILE-5").root()
+    start, count = t.vector(0, RECORD_SIZE, 8, L.MAX_CHUNKS, required=True)
+    return np.frombuffer(data, RECORD_DTYPE, count, start)
+
+
+def build_trailer(index_offset: int, index: bytes) -> bytes:
+    return _TRAILER.pack(index_offset, len(index), 0, xxh3(index), TRAILER_MAGIC)
+
+
+def has_trailer(buf) -> bool:
+    return len(buf) >= PREAMBLE_SIZE + TRAILER_SIZE and bytes(buf[-8:]) == TRAILER_MAGIC
+
+
+def parse_trailer(buf) -> tuple[int, bytes]:
+    """(index_offset, index bytes) of a file-form container (KVW-FILE-1..4)."""
+    n = len(buf)
+    index_offset, index_length, reserved, index_sum, _ = _TRAILER.unpack(bytes(buf[n - TRAILER_SIZE :]))
+    if reserved:
+        raise LayoutError("RESERVED_NONZERO", "trailer reserved field is not zero", rule="KVW-FILE-1")
+    if index_length > L.MAX_INDEX_LENGTH:
+        raise LimitError("INDEX_TOO_LARGE", f"index length {index_length} exceeds {L.MAX_INDEX_LENGTH}", rule="KVW-FILE-2")
+    if align_up(index_offset + index_length, 8) + TRAILER_SIZE != n or index_offset < PREAMBLE_SIZE + FRAME_SIZE:
+        raise LayoutError("INDEX_POSITION", f"index at {index_offset}+{index_length} does not end at the trailer",
+                          rule="KVW-FILE-2")
+    index = bytes(buf[index_offset : index_offset + index_length])
+    if xxh3(index) != index_sum:
+        raise ChecksumError("INDEX_CHECKSUM", "index bytes do not match the trailer's checksum", rule="KVW-FILE-3")
+    check_zero(buf, index_offset + index_length, n - TRAILER_SIZE)
+    return index_offset, index
+

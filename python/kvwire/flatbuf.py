@@ -1,0 +1,138 @@
+"""A bounds-checked FlatBuffers reader: the verifier the Python runtime lacks.
+
+The official Python runtime trusts its input: reads past the end raise ``struct.error``,
+negative offsets raise ``TypeError``, long strings are silently truncated. kvwire never
+hands untrusted bytes to it. Instead every table, vtable, vector and string is reached
+through :class:`Table`, which checks bounds, alignment and size before reading, and
+raises :class:`~kvwire.errors.HeaderError` with a stable code (spec KVW-HDR-2..8).
+The schema-specific decoding in ``header.py`` is written on top of this.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .errors import HeaderError, LimitError
+from .limits import MAX_FB_TABLES
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U16 = struct.Struct("<H")
+
+
+class Buffer:
+    """One FlatBuffer (header or index) being verified; counts tables visited."""
+
+    __slots__ = ("data", "n", "tables_left")
+
+    def __init__(self, data: bytes, identifier: bytes, rule: str):
+        self.data = data
+        self.n = len(data)
+        self.tables_left = MAX_FB_TABLES
+        if self.n < 8:
+            raise HeaderError("FB_BOUNDS", "FlatBuffer shorter than its root offset and identifier", rule=rule)
+        if data[4:8] != identifier:
+            raise HeaderError(
+                "FB_IDENTIFIER", f"file_identifier {bytes(data[4:8])!r}, expected {identifier!r}", rule=rule
+            )
+
+    def check(self, pos: int, size: int, align: int, what: str) -> None:
+        if pos < 0 or size < 0 or pos + size > self.n:
+            raise HeaderError("FB_BOUNDS", f"{what} at {pos}+{size} outside buffer of {self.n} bytes", rule="KVW-HDR-3")
+        if align > 1 and pos % align:
+            raise HeaderError("FB_ALIGNMENT", f"{what} at {pos} not aligned to {align}", rule="KVW-HDR-4")
+
+    def u32(self, pos: int, what: str) -> int:
+        self.check(pos, 4, 4, what)
+        return _U32.unpack_from(self.data, pos)[0]
+
+    def root(self) -> "Table":
+        return Table(self, self.u32(0, "root offset"))
+
+
+class Table:
+    """A verified table: vtable bounds and inline size checked on construction."""
+
+    __slots__ = ("buf", "pos", "vt", "nfields", "inline")
+
+    def __init__(self, buf: Buffer, pos: int):
+        buf.tables_left -= 1
+        if buf.tables_left < 0:
+            raise LimitError("FB_TOO_COMPLEX", f"more than {MAX_FB_TABLES} tables", rule="KVW-HDR-8")
+        buf.check(pos, 4, 4, "table")
+        vt = pos - _I32.unpack_from(buf.data, pos)[0]
+        buf.check(vt, 4, 2, "vtable")
+        vtsize, inline = _U16.unpack_from(buf.data, vt)[0], _U16.unpack_from(buf.data, vt + 2)[0]
+        if vtsize < 4 or vtsize % 2:
+            raise HeaderError("FB_VTABLE", f"vtable size {vtsize} invalid", rule="KVW-HDR-5")
+        if inline < 4:
+            raise HeaderError("FB_VTABLE", f"table inline size {inline} below 4", rule="KVW-HDR-5")
+        buf.check(vt, vtsize, 2, "vtable")
+        buf.check(pos, inline, 4, "table")
+        self.buf, self.pos, self.vt, self.nfields, self.inline = buf, pos, vt, (vtsize - 4) // 2, inline
+
+    def _field(self, fid: int, size: int) -> int | None:
+        if fid >= self.nfields:
+            return None
+        off = _U16.unpack_from(self.buf.data, self.vt + 4 + 2 * fid)[0]
+        if off == 0:
+            return None
+        if off < 4 or off + size > self.inline:
+            raise HeaderError("FB_VTABLE", f"field {fid} offset {off} outside table of {self.inline} bytes", rule="KVW-HDR-5")
+        pos = self.pos + off
+        if pos % min(size, 8):
+            raise HeaderError("FB_ALIGNMENT", f"field {fid} at {pos} not aligned to {size}", rule="KVW-HDR-4")
+        return pos
+
+    def scalar(self, fid: int, fmt: struct.Struct, default):
+        pos = self._field(fid, fmt.size)
+        return default if pos is None else fmt.unpack_from(self.buf.data, pos)[0]
+
+    def _ref(self, fid: int, required: bool, what: str) -> int | None:
+        pos = self._field(fid, 4)
+        if pos is None:
+            if required:
+                raise HeaderError("FB_REQUIRED", f"required {what} (field {fid}) missing", rule="KVW-HDR-6")
+            return None
+        return pos + _U32.unpack_from(self.buf.data, pos)[0]
+
+    def table(self, fid: int, *, required: bool = False) -> "Table | None":
+        target = self._ref(fid, required, "table")
+        return None if target is None else Table(self.buf, target)
+
+    def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *, required: bool = False):
+        """(start, count) of a vector, its length checked against the bytes left."""
+        target = self._ref(fid, required, "vector")
+        if target is None:
+            return None
+        count = self.buf.u32(target, "vector length")
+        if count > max_count:
+            raise LimitError("LIMIT_EXCEEDED", f"vector of {count} elements exceeds limit {max_count}", rule="KVW-LIM-1")
+        start = target + 4
+        self.buf.check(start, count * elem_size, elem_align, "vector body")
+        return start, count
+
+    def blob(self, fid: int, max_len: int) -> bytes | None:
+        v = self.vector(fid, 1, 1, max_len)
+        return None if v is None else bytes(self.buf.data[v[0] : v[0] + v[1]])
+
+    def string(self, fid: int, max_len: int, *, required: bool = False) -> str | None:
+        v = self.vector(fid, 1, 1, max_len, required=required)
+        if v is None:
+            return None
+        start, count = v
+        self.buf.check(start + count, 1, 1, "string terminator")
+        if self.buf.data[start + count] != 0:
+            raise HeaderError("FB_STRING", "string not NUL-terminated", rule="KVW-HDR-7")
+        try:
+            return bytes(self.buf.data[start : start + count]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise HeaderError("FB_STRING", "string is not valid UTF-8", rule="KVW-HDR-7") from None
+
+    def tables(self, fid: int, max_count: int) -> list["Table"]:
+        v = self.vector(fid, 4, 4, max_count)
+        if v is None:
+            return []
+        start, count = v
+        data = self.buf.data
+        return [Table(self.buf, start + 4 * i + _U32.unpack_from(data, start + 4 * i)[0]) for i in range(count)]

@@ -1,0 +1,76 @@
+"""Registries of the format: numeric codes on the wire <-> names used in the API.
+
+The tables mirror the enums of ``schemas/kvwire.fbs`` and the registry sections of the
+spec. Names are the spec's lower-case spellings; code elsewhere never uses bare numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # bf16 / fp8 for numpy; a core dependency, but keep the import failure readable
+    import ml_dtypes as _mld
+except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared dependency
+    raise ImportError("kvwire needs ml_dtypes for bf16/fp8 numpy arrays: pip install ml_dtypes") from exc
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+# DType registry: name -> (code, itemsize, numpy dtype)
+DTYPES: dict[str, tuple[int, int, np.dtype]] = {
+    "bf16": (0, 2, np.dtype(_mld.bfloat16)),
+    "f16": (1, 2, np.dtype(np.float16)),
+    "f32": (2, 4, np.dtype(np.float32)),
+    "f8_e4m3fn": (3, 1, np.dtype(_mld.float8_e4m3fn)),
+    "f8_e5m2": (4, 1, np.dtype(_mld.float8_e5m2)),
+    "f8_e4m3fnuz": (5, 1, np.dtype(_mld.float8_e4m3fnuz)),
+    "i8": (6, 1, np.dtype(np.int8)),
+    "u8": (7, 1, np.dtype(np.uint8)),
+}
+DTYPE_BY_CODE = {code: name for name, (code, _, _) in DTYPES.items()}
+
+CODECS = {"raw": 0, "zstd": 1}
+CODEC_BY_CODE = {v: k for k, v in CODECS.items()}
+
+COMPONENTS = {"k": 0, "v": 1, "latent": 2}
+COMPONENT_BY_CODE = {v: k for k, v in COMPONENTS.items()}
+
+LAYER_KINDS = {
+    "full_attention": 0,
+    "sliding_attention": 1,
+    "chunked_attention": 2,
+    "mla_latent": 3,
+    "shared": 4,
+}
+LAYER_KIND_BY_CODE = {v: k for k, v in LAYER_KINDS.items()}
+
+# Components a layer of each kind stores, in canonical order (spec: KVW-ARCH-3).
+KIND_COMPONENTS = {
+    "full_attention": ("k", "v"),
+    "sliding_attention": ("k", "v"),
+    "chunked_attention": ("k", "v"),
+    "mla_latent": ("latent",),
+    "shared": (),
+}
+
+CHECKSUM_ALGORITHMS = {"xxh3_64": 0}
+CHECKSUM_BY_CODE = {v: k for k, v in CHECKSUM_ALGORITHMS.items()}
+
+ROPE_TYPES = {"none": 0, "default": 1, "linear": 2, "dynamic": 3, "yarn": 4, "longrope": 5, "llama3": 6}
+ROPE_TYPE_BY_CODE = {v: k for k, v in ROPE_TYPES.items()}
+
+MAP_OPS = {"copy": 0, "alias": 1, "recompute": 2, "drop": 3}
+MAP_OP_BY_CODE = {v: k for k, v in MAP_OPS.items()}
+
+# Required-feature bits this reader implements (spec: "Feature registry"). v1.0 defines none.
+KNOWN_REQUIRED_FEATURES = 0
+# ChunkRecord.flags: bits 0-7 optional (ignored when unknown), bits 8-15 required.
+KNOWN_REQUIRED_CHUNK_FLAGS = 0
+CHUNK_FLAGS_REQUIRED_MASK = 0xFF00
+
+
+def dtype_info(name: str) -> tuple[int, int, np.dtype]:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None

@@ -1,0 +1,89 @@
+"""numpy / torch interop without copies.
+
+The codec works on numpy arrays (ml_dtypes supplies bf16 and fp8). torch is optional:
+it is imported only when a caller hands in a tensor or asks for ``backend="torch"``.
+Buffers are always exchanged as uint8 views, because bf16/fp8 arrays cannot export the
+buffer protocol.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import registry as R
+
+_TORCH_NAMES = {
+    "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f8_e4m3fn": "float8_e4m3fn",
+    "f8_e5m2": "float8_e5m2", "f8_e4m3fnuz": "float8_e4m3fnuz", "i8": "int8", "u8": "uint8",
+}
+_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def is_torch(x) -> bool:
+    mod = sys.modules.get("torch")
+    return mod is not None and isinstance(x, mod.Tensor)
+
+
+def torch_dtype(name: str):
+    return getattr(_torch(), _TORCH_NAMES[name])
+
+
+def dtype_name(x) -> str:
+    """Registry name of an array's or tensor's element type."""
+    if is_torch(x):
+        for name, tname in _TORCH_NAMES.items():
+            if x.dtype == getattr(_torch(), tname, None):
+                return name
+        raise TypeError(f"tensor dtype {x.dtype} has no kvwire dtype")
+    for name, (_, _, npd) in R.DTYPES.items():
+        if x.dtype == npd:
+            return name
+    raise TypeError(f"array dtype {x.dtype} has no kvwire dtype")
+
+
+def as_numpy(x) -> np.ndarray:
+    """A numpy view of a CPU array or tensor (GPU tensors are copied to the host)."""
+    if not is_torch(x):
+        return np.asarray(x)
+    name = dtype_name(x)
+    t = x.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    np_dtype = R.DTYPES[name][2]
+    torch = _torch()
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[np_dtype.itemsize]
+    return t.view(int_dtype).numpy().view(np_dtype)
+
+
+def byte_view(a: np.ndarray) -> np.ndarray:
+    """Flat uint8 view of a C-contiguous array (the buffer protocol form of any dtype)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def view(buffer, offset: int, dtype: str, shape: tuple, backend: str):
+    """Zero-copy array over ``buffer[offset:]``; shares memory with the buffer."""
+    count = int(np.prod(shape, dtype=np.int64))
+    if backend == "numpy":
+        return np.frombuffer(buffer, R.DTYPES[dtype][2], count, offset).reshape(shape)
+    if backend == "torch":
+        torch = _torch()
+        if count == 0:
+            return torch.empty(shape, dtype=torch_dtype(dtype))
+        return torch.frombuffer(buffer, dtype=torch_dtype(dtype), count=count, offset=offset).reshape(shape)
+    raise ValueError(f"backend must be 'numpy' or 'torch', not {backend!r}")
+
+
+def empty(shape: tuple, dtype: str, backend: str, device=None):
+    if backend == "numpy":
+        if device not in (None, "cpu"):
+            raise ValueError("numpy arrays live on the CPU; use backend='torch' for a device")
+        return np.empty(shape, R.DTYPES[dtype][2])
+    return _torch().empty(shape, dtype=torch_dtype(dtype), device=device)

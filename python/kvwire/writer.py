@@ -1,0 +1,210 @@
+"""Encoding: a sans-IO ``Encoder`` that emits buffers, and thin adapters over it.
+
+The encoder never concatenates tensor bytes: raw bodies are emitted as memoryviews of
+the caller's arrays (one per head, since a token slice of a [heads, tokens, dim] layer
+is contiguous per head), so ``writev``/``sendmsg`` can send a cache without a copy.
+``encode`` joins the buffers into ``bytes``; ``save`` writes them to a temporary file
+and renames it into place, so a reader never sees a partial file (KVW-FILE-6).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import xxhash
+
+from . import registry as R
+from .cache import KVCache
+from .chunks import ChunkTable, on_grid, planned_chunks
+from .codecs import DEFAULT_ZSTD_LEVEL, encode_body
+from .container import (
+    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_end_frame, build_frame, build_index, build_preamble,
+    build_trailer, next_frame_offset, xxh3,
+)
+from .header import Header, build_header
+from .tensors import as_numpy, byte_view
+
+FORMS = ("file", "stream")
+
+
+class Encoder:
+    """Builds one container incrementally: ``begin()``, ``chunk()`` per chunk in any order,
+    then ``end()``. Each call returns the buffers to append, in order."""
+
+    def __init__(self, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL):
+        if codec not in R.CODECS:
+            raise ValueError(f"codec must be one of {sorted(R.CODECS)}, not {codec!r}")
+        self.header = header
+        self.codec, self.level = codec, level
+        self._header_bytes = build_header(header)  # runs check_header
+        self._table = ChunkTable.of(header)
+        self._filled = np.zeros(self._table.total, bool)
+        self._records: list[np.ndarray] = []
+        self._pos = 0
+        self._state = "new"
+
+    @property
+    def position(self) -> int:
+        """Bytes emitted so far."""
+        return self._pos
+
+    def begin(self) -> list:
+        self._expect("new", "begin")
+        self._state = "chunks"
+        self._pos = PREAMBLE_SIZE + len(self._header_bytes)
+        return [build_preamble(self._header_bytes), self._header_bytes]
+
+    def chunk(self, layer: int, component: str, token_start: int, data) -> list:
+        """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor."""
+        self._expect("chunks", "chunk")
+        h = self.header
+        spec, r = h.arch.layers[layer], h.layer_tokens[layer]
+        x = as_numpy(data)
+        n = int(x.shape[1]) if x.ndim == 3 else -1
+        if component not in spec.components or tuple(x.shape) != spec.shape(component, n):
+            raise ValueError(f"layer {layer} ({spec.kind}) {component}: array {tuple(x.shape)} does not match "
+                             f"{spec.shape(component, n)}")
+        if x.dtype != R.DTYPES[h.dtype][2]:
+            raise ValueError(f"array dtype {x.dtype} != header dtype {h.dtype}")
+        C = h.chunk_tokens
+        if not on_grid(token_start, n, C, r.start, r.stop):
+            raise ValueError(f"tokens [{token_start}, {token_start + n}) are not one chunk of layer {layer}'s grid")
+        slot = self._table.slot(layer, R.COMPONENTS[component], token_start, C)
+        if self._filled[slot]:
+            raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
+        self._filled[slot] = True
+
+        pieces = [byte_view(np.ascontiguousarray(x[i])) for i in range(x.shape[0])]
+        raw_length = sum(p.nbytes for p in pieces)
+        codec, stored = self.codec, pieces
+        if codec != "raw":
+            stored = encode_body(codec, pieces, self.level)
+            if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
+                codec, stored = "raw", pieces
+        hasher = xxhash.xxh3_64()
+        for p in stored:
+            hasher.update(p)
+        stored_length = sum(memoryview(p).nbytes for p in stored)
+
+        frame_at = next_frame_offset(self._pos, h.alignment)
+        rec = np.zeros((), RECORD_DTYPE)
+        rec["offset"] = frame_at + FRAME_SIZE
+        rec["stored_length"], rec["raw_length"], rec["checksum"] = stored_length, raw_length, hasher.intdigest()
+        rec["token_start"], rec["token_count"], rec["layer"] = token_start, n, layer
+        rec["component"], rec["codec"] = R.COMPONENTS[component], R.CODECS[codec]
+        rec["head_count"] = x.shape[0]
+        self._records.append(rec)
+        out = [bytes(frame_at - self._pos) + build_frame(rec), *stored]
+        self._pos = frame_at + FRAME_SIZE + stored_length
+        return out
+
+    def end(self, *, form: str = "file") -> list:
+        self._expect("chunks", "end")
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}")
+        if not self._filled.all():
+            missing = int(np.argmin(self._filled))
+            raise ValueError(f"{int((~self._filled).sum())} chunks were never written (first missing slot {missing})")
+        self._state = "done"
+        records = np.array(self._records, RECORD_DTYPE) if self._records else np.zeros(0, RECORD_DTYPE)
+        frame_at = next_frame_offset(self._pos, self.header.alignment)
+        out = [bytes(frame_at - self._pos) + build_end_frame(len(records), xxh3(records.tobytes()))]
+        self._pos = frame_at + FRAME_SIZE
+        if form == "file":
+            index = build_index(records)
+            index_offset = self._pos
+            pad = -(index_offset + len(index)) % 8
+            out += [index, bytes(pad) + build_trailer(index_offset, index)]
+            self._pos += len(index) + pad + 32
+        return out
+
+    def _expect(self, state: str, call: str) -> None:
+        if self._state != state:
+            raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
+
+
+def iter_buffers(cache: KVCache, *, form: str = "file", codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL,
+                 **header_changes):
+    """Yield the container's buffers (bytes and zero-copy memoryviews), layer-major.
+
+    ``header_changes`` override header fields for this encoding (``chunk_tokens``,
+    ``alignment``, ``model``, ``metadata`` ...).
+    """
+    if header_changes:
+        cache = cache.with_header(**header_changes)
+    h = cache.header
+    enc = Encoder(h, codec=codec, level=level)
+    yield from enc.begin()
+    for layer, comp, t0, n in planned_chunks(h):
+        x = as_numpy(cache.layers[layer][comp])
+        local = t0 - h.layer_tokens[layer].start
+        yield from enc.chunk(layer, comp, t0, x[:, local : local + n, :])
+    yield from enc.end(form=form)
+
+
+def encode(cache: KVCache, **opts) -> bytes:
+    """The whole container as bytes (see ``iter_buffers`` for the options)."""
+    return b"".join(iter_buffers(cache, **opts))
+
+
+def write_all(fd: int, buffers) -> int:
+    """writev every buffer, resuming after partial writes; returns bytes written."""
+    iov_max = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+    total, batch = 0, []
+    for buf in buffers:
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes:
+            batch.append(mv)
+        if len(batch) >= iov_max:
+            total += _writev(fd, batch)
+            batch = []
+    return total + _writev(fd, batch)
+
+
+def _writev(fd: int, batch: list) -> int:
+    written = 0
+    while batch:
+        n = os.writev(fd, batch)
+        written += n
+        while batch and n >= batch[0].nbytes:
+            n -= batch[0].nbytes
+            batch.pop(0)
+        if batch and n:
+            batch[0] = batch[0][n:]
+    return written
+
+
+def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
+    """Write ``cache`` to ``path`` in file form, atomically; returns the size in bytes.
+
+    The bytes go to a temporary file in the same directory that is renamed over
+    ``path`` only once complete (and, with ``fsync=True``, durable), so ``path`` holds
+    either its old content or the whole new container, never a mix.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        try:
+            size = write_all(fd, iter_buffers(cache, form="file", **opts))
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if fsync:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return size
