@@ -15,7 +15,7 @@ import numpy as np
 
 from . import limits as L
 from . import registry as R
-from .container import FRAME_SIZE, PREAMBLE_SIZE, next_frame_offset
+from .container import FRAME_SIZE, PREAMBLE_SIZE
 from .errors import CodecError, FeatureError, LayoutError, LimitError
 from .header import Header
 
@@ -60,12 +60,16 @@ class ChunkTable:
     @classmethod
     def of(cls, h: Header) -> "ChunkTable":
         n = h.num_layers
-        heads = np.zeros((n, NCOMP), np.int64)
-        dims = np.zeros((n, NCOMP), np.int64)
-        for i, spec in enumerate(h.arch.layers):
-            for comp in spec.components:
-                c = R.COMPONENTS[comp]
-                heads[i, c], _, dims[i, c] = spec.shape(comp, 1)
+        rows: dict[int, tuple[list, list]] = {}  # per distinct LayerSpec object
+        for spec in h.arch.layers:
+            if id(spec) not in rows:
+                hd = [[0] * NCOMP, [0] * NCOMP]
+                for comp in spec.components:
+                    c = R.COMPONENTS[comp]
+                    hd[0][c], _, hd[1][c] = spec.shape(comp, 1)
+                rows[id(spec)] = hd
+        per_layer = np.array([rows[id(spec)] for spec in h.arch.layers], np.int64).reshape(n, 2, NCOMP)
+        heads, dims = per_layer[:, 0], per_layer[:, 1]
         start = np.array([r.start for r in h.layer_tokens], np.int64)
         stop = np.array([r.stop for r in h.layer_tokens], np.int64)
         C = h.chunk_tokens
@@ -131,22 +135,31 @@ def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
     return lookup
 
 
-def check_offsets(rec: np.ndarray, header_length: int, alignment: int, size: int | None) -> int:
+def check_offsets(rec: np.ndarray, header_length: int, alignment: int, size: int) -> int:
     """Body offsets follow the layout chain (KVW-LAYOUT-1); returns the end of the last body.
 
-    ``size`` is the container length when known, so a body past the end is reported
-    before anything reads it.
+    Each body must start where ``next_frame_offset`` puts it given the end of the previous
+    body, which is one vectorized comparison once every body is known to lie inside the
+    container (KVW-LAYOUT-5), so no intermediate sum can overflow.
     """
     end = PREAMBLE_SIZE + header_length
-    offsets = rec["offset"].tolist()
-    lengths = rec["stored_length"].tolist()
-    for i, (off, length) in enumerate(zip(offsets, lengths)):
-        want = next_frame_offset(end, alignment) + FRAME_SIZE
-        if off != want:
-            raise LayoutError("BAD_OFFSET", f"chunk record {i}: body offset {off}, layout rule gives {want} "
-                              "(misaligned, overlapping or leaving a hole)", rule="KVW-LAYOUT-1")
-        end = off + length
-        if size is not None and end > size:
-            raise LayoutError("BODY_OUT_OF_BOUNDS", f"chunk record {i}: body ends at {end}, container has {size} bytes",
-                              rule="KVW-LAYOUT-5")
-    return end
+    if not len(rec):
+        return end
+    off = rec["offset"]
+    length = rec["stored_length"]
+    outside = (off > size) | (length > np.uint64(size) - np.minimum(off, np.uint64(size)))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise LayoutError("BODY_OUT_OF_BOUNDS", f"chunk record {i}: body {int(off[i])}+{int(length[i])} "
+                          f"outside the container of {size} bytes", rule="KVW-LAYOUT-5")
+    off = off.astype(np.int64)
+    ends = off + length.astype(np.int64)
+    prev_end = np.concatenate(([end], ends[:-1]))
+    a = alignment
+    want = ((prev_end + FRAME_SIZE + a - 1) & ~(a - 1))  # next_frame_offset(prev_end) + FRAME_SIZE
+    bad = off != want
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise LayoutError("BAD_OFFSET", f"chunk record {i}: body offset {int(off[i])}, layout rule gives "
+                          f"{int(want[i])} (misaligned, overlapping or leaving a hole)", rule="KVW-LAYOUT-1")
+    return int(ends[-1])

@@ -220,98 +220,126 @@ def default_layer_tokens(arch: Architecture, token_count: int) -> tuple[TokenRan
 _METADATA_KEY = re.compile(r"^[a-z0-9_\-]+(\.[A-Za-z0-9_\-]+)+$")
 
 
-def _need(cond: bool, code: str, rule: str, msg: str, exc=SchemaError) -> None:
-    if not cond:
-        raise exc(code, msg, rule=rule)
+def _fail(code: str, rule: str, msg: str, exc=SchemaError):
+    raise exc(code, msg, rule=rule)
 
 
 def check_header(h: Header) -> None:
-    """Apply the header's semantic rules; raise the first violation found."""
-    _need(h.format_major == R.FORMAT_MAJOR, "UNSUPPORTED_VERSION", "KVW-PRE-2",
-          f"format major {h.format_major}, reader implements {R.FORMAT_MAJOR}", VersionError)
+    """Apply the header's semantic rules; raise the first violation found.
+
+    Runs on every open and every probe, so messages are only formatted on failure and
+    per-layer rules run once per distinct LayerSpec.
+    """
+    if h.format_major != R.FORMAT_MAJOR:
+        _fail("UNSUPPORTED_VERSION", "KVW-PRE-2", f"format major {h.format_major}, reader implements "
+              f"{R.FORMAT_MAJOR}", VersionError)
     unknown = h.required_features & ~R.KNOWN_REQUIRED_FEATURES
-    _need(not unknown, "UNSUPPORTED_FEATURE", "KVW-EVOL-3", f"required feature bits {unknown:#x} unknown", FeatureError)
-    _need(h.dtype in R.DTYPES, "ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"dtype {h.dtype!r}")
-    _need(h.checksum_algorithm in R.CHECKSUM_ALGORITHMS, "ENUM_OUT_OF_RANGE", "KVW-HDR-10",
-          f"checksum algorithm {h.checksum_algorithm!r}")
+    if unknown:
+        _fail("UNSUPPORTED_FEATURE", "KVW-EVOL-3", f"required feature bits {unknown:#x} unknown", FeatureError)
+    if h.dtype not in R.DTYPES:
+        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"dtype {h.dtype!r}")
+    if h.checksum_algorithm not in R.CHECKSUM_ALGORITHMS:
+        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"checksum algorithm {h.checksum_algorithm!r}")
     a = h.alignment
-    _need(L.MIN_ALIGNMENT <= a <= L.MAX_ALIGNMENT and a & (a - 1) == 0, "BAD_ALIGNMENT", "KVW-CONV-2",
-          f"alignment {a} is not a power of two in [{L.MIN_ALIGNMENT}, {L.MAX_ALIGNMENT}]")
-    _need(1 <= h.chunk_tokens <= L.MAX_CHUNK_TOKENS, "BAD_CHUNK_TOKENS", "KVW-HDR-11",
-          f"chunk_tokens {h.chunk_tokens} outside [1, {L.MAX_CHUNK_TOKENS}]")
-    _need(h.token_count <= L.MAX_TOKENS, "LIMIT_EXCEEDED", "KVW-LIM-3", f"token_count {h.token_count}", LimitError)
-    _need(h.first_position + h.token_count < 1 << 63, "LIMIT_EXCEEDED", "KVW-LIM-3",
-          "first_position + token_count overflows 63 bits", LimitError)
+    if not (L.MIN_ALIGNMENT <= a <= L.MAX_ALIGNMENT and a & (a - 1) == 0):
+        _fail("BAD_ALIGNMENT", "KVW-CONV-2", f"alignment {a} is not a power of two in "
+              f"[{L.MIN_ALIGNMENT}, {L.MAX_ALIGNMENT}]")
+    if not 1 <= h.chunk_tokens <= L.MAX_CHUNK_TOKENS:
+        _fail("BAD_CHUNK_TOKENS", "KVW-HDR-11", f"chunk_tokens {h.chunk_tokens} outside [1, {L.MAX_CHUNK_TOKENS}]")
+    if h.token_count > L.MAX_TOKENS or h.first_position + h.token_count >= 1 << 63:
+        _fail("LIMIT_EXCEEDED", "KVW-LIM-3", f"token_count {h.token_count} from position {h.first_position} "
+              "exceeds the limits", LimitError)
     _check_arch(h.arch, h.itemsize, h.chunk_tokens)
     _check_layer_tokens(h)
     _check_layer_map(h)
     _check_metadata(h.metadata)
 
 
+def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int) -> None:
+    """Rules of one LayerSpec that do not depend on its position (``i`` names it in messages)."""
+    if s.kind not in R.LAYER_KINDS:
+        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r}")
+    if s.kind == "shared":
+        if s.num_kv_heads or s.head_dim_k or s.head_dim_v:
+            _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions; its source layer defines them")
+        return
+    if s.source_layer != -1:
+        _fail("ARCH_INVALID", "KVW-ARCH-4", f"layer {i} is not shared but has source_layer {s.source_layer}")
+    if s.kind == "mla_latent":
+        if not (s.num_kv_heads == 1 and s.head_dim_v == 0 and s.kv_lora_rank >= 1
+                and s.head_dim_k == s.kv_lora_rank + s.qk_rope_head_dim):
+            _fail("ARCH_INVALID", "KVW-ARCH-5", f"mla_latent layer {i}: need num_kv_heads 1, head_dim_v 0, "
+                  "head_dim_k = kv_lora_rank + qk_rope_head_dim")
+    elif s.head_dim_v < 1:
+        _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} head_dim_v is 0")
+    if not (1 <= s.num_kv_heads <= L.MAX_HEADS and 1 <= s.head_dim_k <= L.MAX_HEAD_DIM
+            and s.head_dim_v <= L.MAX_HEAD_DIM):
+        _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} heads {s.num_kv_heads} / head dims "
+              f"{s.head_dim_k},{s.head_dim_v} outside limits")
+    if (s.window >= 1) != (s.kind in ("sliding_attention", "chunked_attention")):
+        _fail("ARCH_INVALID", "KVW-ARCH-6", f"layer {i} ({s.kind}) window {s.window}: sliding/chunked layers "
+              "need one, others must not")
+    for comp in s.components:
+        heads, _, dim = s.shape(comp, 1)
+        if heads * dim * chunk_tokens * itemsize > L.MAX_CHUNK_RAW_LENGTH:
+            _fail("LIMIT_EXCEEDED", "KVW-LIM-4", f"layer {i} {comp} chunk body would exceed "
+                  f"{L.MAX_CHUNK_RAW_LENGTH} bytes", LimitError)
+
+
 def _check_arch(arch: Architecture, itemsize: int, chunk_tokens: int) -> None:
     n = arch.num_layers
-    _need(1 <= n <= L.MAX_LAYERS, "LIMIT_EXCEEDED" if n else "ARCH_INVALID", "KVW-ARCH-1",
-          f"num_layers {n} outside [1, {L.MAX_LAYERS}]", LimitError if n else SchemaError)
+    if not 1 <= n <= L.MAX_LAYERS:
+        _fail("LIMIT_EXCEEDED" if n else "ARCH_INVALID", "KVW-ARCH-1", f"num_layers {n} outside [1, {L.MAX_LAYERS}]",
+              LimitError if n else SchemaError)
+    checked = set()  # by identity: decoded layers share their LayerSpec objects
     for i, s in enumerate(arch.layers):
-        _need(s.kind in R.LAYER_KINDS, "ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r}")
+        if id(s) not in checked:
+            checked.add(id(s))
+            _check_spec(s, i, itemsize, chunk_tokens)
         if s.kind == "shared":
             src = s.source_layer
-            _need(0 <= src < i and arch.layers[src].kind != "shared", "ARCH_INVALID", "KVW-ARCH-4",
-                  f"shared layer {i} has source_layer {src}: must be an earlier, non-shared layer")
-            _need(s.num_kv_heads == s.head_dim_k == s.head_dim_v == 0, "ARCH_INVALID", "KVW-ARCH-4",
-                  f"shared layer {i} declares dimensions; its source layer defines them")
-            continue
-        _need(s.source_layer == -1, "ARCH_INVALID", "KVW-ARCH-4", f"layer {i} is not shared but has source_layer")
-        if s.kind == "mla_latent":
-            _need(s.num_kv_heads == 1 and s.head_dim_v == 0 and s.kv_lora_rank >= 1
-                  and s.head_dim_k == s.kv_lora_rank + s.qk_rope_head_dim, "ARCH_INVALID", "KVW-ARCH-5",
-                  f"mla_latent layer {i}: need num_kv_heads 1, head_dim_v 0, head_dim_k = kv_lora_rank + qk_rope_head_dim")
-        else:
-            _need(s.head_dim_v >= 1, "ARCH_INVALID", "KVW-ARCH-2", f"layer {i} head_dim_v is 0")
-        _need(1 <= s.num_kv_heads <= L.MAX_HEADS and 1 <= s.head_dim_k <= L.MAX_HEAD_DIM
-              and s.head_dim_v <= L.MAX_HEAD_DIM, "ARCH_INVALID", "KVW-ARCH-2",
-              f"layer {i} heads {s.num_kv_heads} / head dims {s.head_dim_k},{s.head_dim_v} outside limits")
-        windowed = s.kind in ("sliding_attention", "chunked_attention")
-        _need((s.window >= 1) == windowed, "ARCH_INVALID", "KVW-ARCH-6",
-              f"layer {i} ({s.kind}) window {s.window}: sliding/chunked layers need one, others must not")
-        for comp in s.components:
-            heads, _, dim = s.shape(comp, 1)
-            _need(heads * dim * chunk_tokens * itemsize <= L.MAX_CHUNK_RAW_LENGTH, "LIMIT_EXCEEDED", "KVW-LIM-4",
-                  f"layer {i} {comp} chunk body would exceed {L.MAX_CHUNK_RAW_LENGTH} bytes", LimitError)
+            if not (0 <= src < i and arch.layers[src].kind != "shared"):
+                _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} has source_layer {src}: must be an "
+                      "earlier, non-shared layer")
 
 
 def _check_layer_tokens(h: Header) -> None:
-    _need(len(h.layer_tokens) == h.num_layers, "TOKEN_RANGE_INVALID", "KVW-HDR-13",
-          f"{len(h.layer_tokens)} layer token ranges for {h.num_layers} layers")
+    if len(h.layer_tokens) != h.num_layers:
+        _fail("TOKEN_RANGE_INVALID", "KVW-HDR-13", f"{len(h.layer_tokens)} layer token ranges for "
+              f"{h.num_layers} layers")
     for i, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
-        _need(r.start + r.count <= h.token_count, "TOKEN_RANGE_INVALID", "KVW-HDR-13",
-              f"layer {i} tokens [{r.start}, {r.start + r.count}) exceed token_count {h.token_count}")
-        _need(spec.kind != "shared" or r.count == 0, "TOKEN_RANGE_INVALID", "KVW-HDR-13",
-              f"shared layer {i} declares tokens")
+        if r.start + r.count > h.token_count:
+            _fail("TOKEN_RANGE_INVALID", "KVW-HDR-13", f"layer {i} tokens [{r.start}, {r.stop}) exceed "
+                  f"token_count {h.token_count}")
+        if r.count and spec.kind == "shared":
+            _fail("TOKEN_RANGE_INVALID", "KVW-HDR-13", f"shared layer {i} declares tokens")
 
 
 def _check_layer_map(h: Header) -> None:
     seen = set()
     for e in h.layer_map:
-        _need(e.op in R.MAP_OPS, "ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer map op {e.op!r}")
-        _need(e.receiver_layer < L.MAX_LAYERS and e.receiver_layer not in seen, "LAYER_MAP_INVALID", "KVW-MAP-1",
-              f"receiver layer {e.receiver_layer} out of range or mapped twice")
+        if e.op not in R.MAP_OPS:
+            _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer map op {e.op!r}")
+        if e.receiver_layer >= L.MAX_LAYERS or e.receiver_layer in seen:
+            _fail("LAYER_MAP_INVALID", "KVW-MAP-1", f"receiver layer {e.receiver_layer} out of range or mapped twice")
         seen.add(e.receiver_layer)
         if e.op in ("copy", "alias"):
-            _need(0 <= e.transmitted_layer < h.num_layers, "LAYER_MAP_INVALID", "KVW-MAP-1",
-                  f"{e.op} from transmitted layer {e.transmitted_layer} outside [0, {h.num_layers})")
-        else:
-            _need(e.transmitted_layer == -1, "LAYER_MAP_INVALID", "KVW-MAP-1",
-                  f"{e.op} entry must have transmitted_layer -1")
+            if not 0 <= e.transmitted_layer < h.num_layers:
+                _fail("LAYER_MAP_INVALID", "KVW-MAP-1", f"{e.op} from transmitted layer {e.transmitted_layer} "
+                      f"outside [0, {h.num_layers})")
+        elif e.transmitted_layer != -1:
+            _fail("LAYER_MAP_INVALID", "KVW-MAP-1", f"{e.op} entry must have transmitted_layer -1")
 
 
 def _check_metadata(md: dict) -> None:
-    _need(len(md) <= L.MAX_METADATA_ENTRIES, "LIMIT_EXCEEDED", "KVW-LIM-1", "too many metadata entries", LimitError)
+    if len(md) > L.MAX_METADATA_ENTRIES:
+        _fail("LIMIT_EXCEEDED", "KVW-LIM-1", "too many metadata entries", LimitError)
     for k, v in md.items():
-        _need(isinstance(k, str) and bool(_METADATA_KEY.match(k)) and len(k) <= 256, "METADATA_KEY_INVALID",
-              "KVW-META-1", f"metadata key {k!r} is not 'namespace.name'")
-        _need(isinstance(v, (bytes, bytearray)) and len(v) <= L.MAX_BYTES_LENGTH, "METADATA_VALUE_INVALID",
-              "KVW-META-1", f"metadata value of {k!r} must be bytes of at most {L.MAX_BYTES_LENGTH}")
+        if not (isinstance(k, str) and len(k) <= 256 and _METADATA_KEY.match(k)):
+            _fail("METADATA_KEY_INVALID", "KVW-META-1", f"metadata key {k!r} is not 'namespace.name'")
+        if not (isinstance(v, (bytes, bytearray)) and len(v) <= L.MAX_BYTES_LENGTH):
+            _fail("METADATA_VALUE_INVALID", "KVW-META-1", f"metadata value of {k!r} must be bytes of at most "
+                  f"{L.MAX_BYTES_LENGTH}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -472,15 +500,18 @@ def _enum(registry_by_code: dict, code: int, what: str) -> str:
         raise SchemaError("ENUM_OUT_OF_RANGE", f"{what} code {code} is not in the registry", rule="KVW-HDR-10") from None
 
 
+_REVERSE = {id(reg): {v: k for k, v in reg.items()} for reg in (R.ROPE_TYPES, R.LAYER_KINDS)}
+
+
 def _read_scalars(t: Table, cls, spec) -> dict:
     out = {}
+    fields_ = cls.__dataclass_fields__
     for attr, fid, code, enum in spec:
-        default = cls.__dataclass_fields__[attr].default
+        default = fields_[attr].default
         if enum is None:
             out[attr] = t.scalar(fid, _S[code], default)
         else:
-            raw = t.scalar(fid, _S[code], enum[default])
-            out[attr] = _enum({v: k for k, v in enum.items()}, raw, attr)
+            out[attr] = _enum(_REVERSE[id(enum)], t.scalar(fid, _S[code], enum[default]), attr)
     return out
 
 

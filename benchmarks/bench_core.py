@@ -1,0 +1,566 @@
+#!/usr/bin/env python3
+"""kvwire core benchmark: save / open / load / probe against torch, safetensors, pickle
+and the physical limits (memcpy, XXH3), all on the same synthetic KV cache.
+
+    .venv/bin/python benchmarks/bench_core.py                       # full run (Llama-3-8B shape, 256 MiB)
+    .venv/bin/python benchmarks/bench_core.py --layers 4 --repeat 3 # quick run
+    .venv/bin/python benchmarks/bench_core.py --profile load        # cProfile one kvwire op, no table
+
+Writes benchmarks/results/core.md (the table printed to stdout) and core.json (raw
+samples in ns, config, machine info). Each row is the median (and min) of --repeat
+timed runs after one untimed warm-up. See benchmarks/README.md for what each row does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import mmap
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "python"))  # harmless when kvwire is installed editable
+
+import kvwire  # noqa: E402
+from kvwire.synth import synth_cache  # noqa: E402
+
+PROBE_BYTES = 64 << 10
+COMPS = ("k", "v")
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------
+
+def measure(fn, *, repeat, setup=None, teardown=None, check=None, inner=1):
+    """Median/min of ``repeat`` samples after one warm-up sample.
+
+    A sample is the mean over ``inner`` calls of ``fn(setup())``; only ``fn`` is timed.
+    ``check(out)`` runs once, untimed, on the output of the last call (to prove the work
+    was done); ``teardown(out)`` runs untimed after every call (frees, closes).
+    """
+    samples = []
+    last_checked = False
+    for rep in range(repeat + 1):
+        total = 0
+        for j in range(inner):
+            arg = setup() if setup else None
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter_ns()
+                out = fn(arg) if setup else fn()
+                t1 = time.perf_counter_ns()
+            finally:
+                gc.enable()
+            total += t1 - t0
+            if check and rep == repeat and j == inner - 1:
+                check(out)
+                last_checked = True
+            if teardown:
+                teardown(out)
+            del out
+        if rep:  # rep 0 is the warm-up
+            samples.append(total / inner)
+    assert last_checked or not check
+    return {"samples_ns": [int(s) for s in samples], "median_ns": int(statistics.median(samples)),
+            "min_ns": int(min(samples)), "inner": inner}
+
+
+# ---------------------------------------------------------------------------------------
+# Data and checks
+# ---------------------------------------------------------------------------------------
+
+def tensor_names(layers):
+    return [f"layers.{i}.{c}" for i in range(layers) for c in COMPS]
+
+
+def np_bytes(a) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def torch_bytes(t) -> np.ndarray:
+    import torch
+
+    return t.contiguous().view(torch.int16).numpy().reshape(-1).view(np.uint8)
+
+
+def digest(arrays) -> int:
+    """XXH3 of the concatenated bytes of numpy arrays / torch tensors, canonical order."""
+    h = xxhash.xxh3_64()
+    for a in arrays:
+        h.update(np_bytes(a) if isinstance(a, np.ndarray) else torch_bytes(a))
+    return h.intdigest()
+
+
+def cache_arrays(cache):
+    return [layer[c] for layer in cache.layers for c in COMPS]
+
+
+def expect(want, what):
+    def check(out):
+        got = digest(what(out))
+        if got != want:
+            raise AssertionError(f"digest mismatch: {got:016x} != {want:016x}")
+    return check
+
+
+def drop_caches_note():
+    return "page cache warm (each file is read once before timing, plus the untimed warm-up)"
+
+
+def warm(path):
+    with open(path, "rb") as f:
+        while f.readinto(bytearray(16 << 20)):
+            pass
+
+
+def rm(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Machine info
+# ---------------------------------------------------------------------------------------
+
+def fs_of(path):
+    """(mount point, fs type, device) holding ``path``, from /proc/mounts."""
+    best = ("", "?", "?")
+    p = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                inside = p == mnt or p.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, dev)
+    except OSError:
+        pass
+    return best
+
+
+def machine_info(tmpdir):
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    import ml_dtypes
+    import safetensors
+    import torch
+    import zstandard
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return "?"
+
+    mnt, fstype, dev = fs_of(tmpdir)
+    return {
+        "cpu": cpu, "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory": mem, "os": platform.platform(), "python": platform.python_version(),
+        "numpy": np.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "safetensors": safetensors.__version__, "xxhash": xxhash.VERSION, "zstandard": zstandard.__version__,
+        "ml_dtypes": ml_dtypes.__version__, "kvwire": kvwire.__version__,
+        "git": git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--", "python") else ""),
+        "tmpdir": str(tmpdir), "filesystem": f"{fstype} on {dev} (mounted at {mnt})",
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args, tmpdir):
+        self.args, self.tmp = args, Path(tmpdir)
+        self.rows: dict[str, dict] = {}
+        self.extra: dict[str, object] = {}
+
+    def row(self, key, label, res, *, nbytes, group, baseline=None, notes=""):
+        res.update(label=label, bytes=nbytes, group=group, baseline=baseline, notes=notes)
+        self.rows[key] = res
+        ms = res["median_ns"] / 1e6
+        print(f"  {label:<58} {ms:10.3f} ms  (min {res['min_ns'] / 1e6:.3f})", file=sys.stderr, flush=True)
+
+    def run(self):
+        a, R = self.args, self.args.repeat
+        torch = __import__("torch")
+        t0 = time.time()
+        cache = synth_cache(a.layers, a.heads, a.head_dim, a.tokens, seed=a.seed)
+        names = tensor_names(a.layers)
+        arrays = cache_arrays(cache)
+        N = sum(x.nbytes for x in arrays)
+        ref = digest(arrays)
+        self.extra.update(payload_bytes=N, reference_xxh3=f"{ref:016x}", chunk_tokens=cache.header.chunk_tokens)
+        print(f"cache: {cache!r}, digest {ref:016x}, built in {time.time() - t0:.1f}s", file=sys.stderr)
+
+        # ---- physical limits ----------------------------------------------------------
+        print("physical limits", file=sys.stderr)
+        flat = np.concatenate([np_bytes(x) for x in arrays])
+        dst = np.zeros_like(flat)  # allocated and prefaulted outside timing
+        self.row("memcpy_prefaulted", "numpy memcpy into prefaulted buffer (np.copyto)",
+                 measure(lambda: np.copyto(dst, flat) or dst, repeat=R,
+                         check=lambda out: assert_eq(xxhash.xxh3_64_intdigest(out), ref)),
+                 nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        del dst
+
+        def fresh():
+            d = np.empty_like(flat)
+            np.copyto(d, flat)
+            return d
+        self.row("memcpy_fresh", "numpy memcpy into fresh allocation (np.empty + copyto)",
+                 measure(fresh, repeat=R, check=lambda out: assert_eq(xxhash.xxh3_64_intdigest(out), ref)),
+                 nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        self.row("xxh3_mem", "xxhash.xxh3_64 over the payload in memory",
+                 measure(lambda: xxhash.xxh3_64_intdigest(flat), repeat=R, check=lambda h: assert_eq(h, ref)),
+                 nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        del flat
+
+        # ---- save ---------------------------------------------------------------------
+        print("save", file=sys.stderr)
+        kvw, kvz = self.tmp / "cache.kvw", self.tmp / "cache_zstd.kvw"
+        pt, st, pk = self.tmp / "cache.pt", self.tmp / "cache.safetensors", self.tmp / "cache.pkl"
+        tdict = {n: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) for n, x in zip(names, arrays)}
+        npdict = dict(zip(names, arrays))
+
+        def before_write(path):
+            def setup():
+                rm(path)
+                os.sync()  # no dirty backlog from the previous writer (untimed)
+                return path
+            return setup
+
+        file_size = lambda p: os.path.getsize(p)  # noqa: E731
+        self.row("kvwire_save", "kvwire.save (page cache, no fsync)",
+                 measure(lambda p: kvwire.save(p, cache), setup=before_write(kvw), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(kvw)} B")
+        self.row("kvwire_save_fsync", "kvwire.save fsync=True (file + directory fsync)",
+                 measure(lambda p: kvwire.save(p, cache, fsync=True), setup=before_write(kvw), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save")
+        self.row("kvwire_save_zstd", 'kvwire.save codec="zstd" (level 3)',
+                 measure(lambda p: kvwire.save(p, cache, codec="zstd"), setup=before_write(kvz), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save")
+        zsize = file_size(kvz)
+        self.extra.update(kvwire_file_bytes=file_size(kvw), kvwire_zstd_file_bytes=zsize,
+                          zstd_size_ratio=file_size(kvw) / zsize)
+        self.rows["kvwire_save_zstd"]["notes"] = (f"file {zsize} B = {zsize / file_size(kvw):.3f} of raw "
+                                                  f"(ratio {file_size(kvw) / zsize:.3f}x)")
+
+        def torch_save(p):
+            torch.save(tdict, p)
+        self.row("torch_save", "torch.save(dict of bf16 tensors)",
+                 measure(torch_save, setup=before_write(pt), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(pt)} B")
+
+        from safetensors.torch import load_file, safe_open, save_file
+        self.row("st_save", "safetensors.torch.save_file",
+                 measure(lambda p: save_file(tdict, str(p)), setup=before_write(st), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(st)} B")
+
+        def pickle_save(p):
+            data = pickle.dumps(npdict, protocol=5)
+            with open(p, "wb") as f:
+                f.write(data)
+        self.row("pickle_save", "pickle.dumps(numpy dict, protocol 5) + file write",
+                 measure(pickle_save, setup=before_write(pk), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(pk)} B")
+        os.sync()
+        del tdict, npdict
+
+        # the zstd file round-trips (untimed)
+        assert_eq(digest(cache_arrays(kvwire.load(kvz))), ref)
+        # memcpy / XXH3 with the file mapped: what the readers are up against
+        warm(kvw)
+
+        def xxh3_mmap():
+            with open(kvw, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return xxhash.xxh3_64_intdigest(m)
+        kvw_digest = xxhash.xxh3_64_intdigest(kvw.read_bytes())
+        self.row("xxh3_mmap", "xxhash.xxh3_64 over an mmap of the kvwire file (map+hash)",
+                 measure(xxh3_mmap, repeat=R, check=lambda h: assert_eq(h, kvw_digest)),
+                 nbytes=file_size(kvw), group="limits", baseline="memcpy_prefaulted")
+        del cache, arrays
+
+        # ---- load (full copy into process memory) ------------------------------------
+        print(f"load ({drop_caches_note()})", file=sys.stderr)
+        for p in (kvw, pt, st, pk):
+            warm(p)
+        kv_check = expect(ref, lambda c: cache_arrays(c))
+        for verify in (True, False):
+            for backend in ("numpy", "torch"):
+                key = f"kvwire_load_{backend}" + ("" if verify else "_noverify")
+                label = f"kvwire.load verify={verify} backend={backend}"
+                self.row(key, label,
+                         measure(lambda v=verify, b=backend: kvwire.load(kvw, verify=v, backend=b), repeat=R,
+                                 check=kv_check),
+                         nbytes=N, group="load", baseline="torch_load")
+
+        by_name = lambda d: [d[n] for n in names]  # noqa: E731
+        self.row("torch_load", "torch.load(weights_only=True)",
+                 measure(lambda: torch.load(pt, weights_only=True), repeat=R, check=expect(ref, by_name)),
+                 nbytes=N, group="load", baseline="torch_load")
+        self.row("st_load_file", "safetensors.torch.load_file",
+                 measure(lambda: load_file(str(st)), repeat=R, check=expect(ref, by_name)),
+                 nbytes=N, group="load", baseline="torch_load")
+
+        def st_open_all():
+            with safe_open(str(st), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        self.row("st_safe_open", "safetensors safe_open + get_tensor(every tensor)",
+                 measure(st_open_all, repeat=R, check=expect(ref, by_name)),
+                 nbytes=N, group="load", baseline="torch_load")
+
+        def pickle_load():
+            with open(pk, "rb") as f:
+                return pickle.loads(f.read())
+        self.row("pickle_load", "file read + pickle.loads (protocol 5)",
+                 measure(pickle_load, repeat=R, check=expect(ref, by_name)),
+                 nbytes=N, group="load", baseline="torch_load")
+
+        # ---- zero-copy open / probe ---------------------------------------------------
+        print("open / probe", file=sys.stderr)
+        readers = []
+
+        def close_reader(r):
+            r.close()
+        self.row("kvwire_open", "kvwire.open(path) alone (mmap + index checks)",
+                 measure(lambda: kvwire.open(kvw), repeat=R, inner=a.inner_fast, teardown=close_reader,
+                         check=lambda r: assert_eq(r.chunk_count, len(names) * chunks_per(r))),
+                 nbytes=N, group="open", baseline="torch_load")
+
+        def open_views():
+            r = kvwire.open(kvw)
+            views = [r.chunk(layer, c, i, verify=False)
+                     for layer in range(a.layers) for c in COMPS for i in range(r.num_chunks(layer, c))]
+            return r, views
+
+        def check_views(out):
+            r, views = out
+            assert all(isinstance(v, np.ndarray) and v.base is not None for v in views)
+            per = chunks_per(r)
+            layers = [np.concatenate(views[j * per:(j + 1) * per], axis=1) for j in range(len(names))]
+            assert_eq(digest(layers), ref)
+
+        def close_views(out):
+            r, views = out
+            views.clear()
+            r.close()
+        self.row("kvwire_open_views", "kvwire.open + r.chunk(verify=False) view of every chunk",
+                 measure(open_views, repeat=R, inner=a.inner_fast, check=check_views, teardown=close_views),
+                 nbytes=N, group="open", baseline="torch_load")
+        self.row("torch_load_mmap", "torch.load(mmap=True, weights_only=True) (lazy, untouched)",
+                 measure(lambda: torch.load(pt, mmap=True, weights_only=True), repeat=R, check=expect(ref, by_name)),
+                 nbytes=N, group="open", baseline="torch_load")
+
+        with open(kvw, "rb") as f:
+            first = f.read(PROBE_BYTES)
+        self.row("kvwire_probe", f"kvwire.probe(first {PROBE_BYTES >> 10} KiB)",
+                 measure(lambda: kvwire.probe(first), repeat=R, inner=a.inner_probe,
+                         check=lambda h: assert_eq(h.token_count, a.tokens)),
+                 nbytes=None, group="open", baseline="kvwire_open")
+        del readers
+        return self.rows
+
+
+def chunks_per(r):
+    return r.num_chunks(0, "k")
+
+
+def assert_eq(got, want):
+    if got != want:
+        raise AssertionError(f"{got!r} != {want!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+GROUPS = [
+    ("limits", "Physical limits"),
+    ("save", "Save (ratio = torch.save time / this time)"),
+    ("load", "Load into process memory (ratio = torch.load time / this time)"),
+    ("open", "Zero-copy open and probe (ratio = baseline time / this time)"),
+]
+ZERO_COPY = {"kvwire_open", "kvwire_open_views", "torch_load_mmap", "kvwire_probe"}
+
+
+def gbps(row):
+    return row["bytes"] / row["median_ns"] if row["bytes"] else None  # bytes/ns == GB/s
+
+
+def fmt_ms(ns):
+    ms = ns / 1e6
+    return f"{ms:.4f}" if ms < 1 else f"{ms:.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def targets(rows):
+    g = lambda k: rows[k]["median_ns"]  # noqa: E731
+    rate = lambda k: gbps(rows[k])  # noqa: E731
+    out = []
+
+    def t(name, ok, value):
+        out.append({"target": name, "pass": bool(ok), "value": value})
+    t("open <= 1 ms", g("kvwire_open") <= 1e6,
+      f"{g('kvwire_open') / 1e6:.3f} ms (open + every chunk view: {g('kvwire_open_views') / 1e6:.3f} ms)")
+    t("open >= 100x faster than plain torch.load", g("torch_load") / g("kvwire_open") >= 100,
+      f"{g('torch_load') / g('kvwire_open'):.0f}x")
+    t("load with checksums >= 0.7x XXH3 throughput", rate("kvwire_load_numpy") >= 0.7 * rate("xxh3_mem"),
+      f"{rate('kvwire_load_numpy'):.2f} GB/s = {rate('kvwire_load_numpy') / rate('xxh3_mem'):.2f}x of "
+      f"{rate('xxh3_mem'):.2f} GB/s (in-memory XXH3)")
+    t("save (page cache, no fsync) >= 0.6x memcpy", rate("kvwire_save") >= 0.6 * rate("memcpy_prefaulted"),
+      f"{rate('kvwire_save'):.2f} GB/s = {rate('kvwire_save') / rate('memcpy_prefaulted'):.2f}x of "
+      f"{rate('memcpy_prefaulted'):.2f} GB/s (prefaulted memcpy)")
+    t("save >= 6x faster than torch.save", g("torch_save") / g("kvwire_save") >= 6,
+      f"{g('torch_save') / g('kvwire_save'):.2f}x")
+    t("probe <= 100 us", g("kvwire_probe") <= 100e3, f"{g('kvwire_probe') / 1e3:.1f} us")
+    return out
+
+
+def render(rows, info, cfg, extra, tgts):
+    L = []
+    L.append("# kvwire core benchmark\n")
+    L.append(f"Cache: {cfg['layers']} layers x {cfg['heads']} KV heads x head_dim {cfg['head_dim']} x "
+             f"{cfg['tokens']} tokens, bf16, K and V = {extra['payload_bytes']} B "
+             f"({extra['payload_bytes'] / 2**20:.0f} MiB); kvwire chunk_tokens {extra['chunk_tokens']}, "
+             f"file {extra['kvwire_file_bytes']} B. Synthetic data, seed {cfg['seed']}.  ")
+    L.append(f"Timing: median of {cfg['repeat']} runs after 1 warm-up (min also shown); "
+             f"sub-ms rows average {cfg['inner_fast']} (open) / {cfg['inner_probe']} (probe) calls per run. "
+             "GB/s = payload bytes / median time (1 GB = 1e9 B).  ")
+    L.append(f"Files: {info['tmpdir']} ({info['filesystem']}), not /dev/shm. Saves: target deleted and "
+             "`os.sync()` before each run (untimed); no fsync unless stated. Loads: "
+             f"{drop_caches_note()}. Every result is checked once against an XXH3 of the source data.\n")
+    L.append(f"Machine: {info['cpu']}, {info['usable_cores']} usable cores ({info['logical_cores']} logical), "
+             f"{info['memory']} RAM, {info['os']}.  ")
+    L.append(f"Python {info['python']}, numpy {info['numpy']}, torch {info['torch']} ({info['torch_threads']} threads), "
+             f"safetensors {info['safetensors']}, xxhash {info['xxhash']}, zstandard {info['zstandard']}, "
+             f"kvwire {info['kvwire']} @ {info['git']}.\n")
+    L.append("| operation | time ms (median) | min ms | GB/s | ratio | vs | notes |")
+    L.append("|---|---:|---:|---:|---:|---|---|")
+    for group, title in GROUPS:
+        L.append(f"| **{title}** | | | | | | |")
+        for key, r in rows.items():
+            if r["group"] != group:
+                continue
+            rate = gbps(r)
+            gb = "-" if rate is None or key in ZERO_COPY else f"{rate:.2f}"
+            base = r["baseline"]
+            ratio = rows[base]["median_ns"] / r["median_ns"] if base in rows else None
+            L.append(f"| {r['label']} | {fmt_ms(r['median_ns'])} | {fmt_ms(r['min_ns'])} | {gb} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {rows[base]['label'] if base in rows else '-'}"
+                     f" | {r['notes']} |")
+    L.append("\n## Targets\n")
+    L.append("| target | result | measured |")
+    L.append("|---|---|---|")
+    for t in tgts:
+        L.append(f"| {t['target']} | {'PASS' if t['pass'] else 'MISS'} | {t['value']} |")
+    return "\n".join(L) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+
+def profile(args, tmpdir, what):
+    import cProfile
+    import pstats
+
+    cache = synth_cache(args.layers, args.heads, args.head_dim, args.tokens, seed=args.seed)
+    p = Path(tmpdir) / "cache.kvw"
+    kvwire.save(p, cache)
+    warm(p)
+    ops = {
+        "save": lambda: kvwire.save(p, cache),
+        "save_zstd": lambda: kvwire.save(Path(tmpdir) / "z.kvw", cache, codec="zstd"),
+        "load": lambda: kvwire.load(p),
+        "load_noverify": lambda: kvwire.load(p, verify=False),
+        "load_torch": lambda: kvwire.load(p, backend="torch"),
+        "open": lambda: [kvwire.open(p).close() for _ in range(args.inner_fast)],
+        "probe": lambda: [kvwire.probe(p.read_bytes()[:PROBE_BYTES]) for _ in range(args.inner_probe)],
+    }
+    ops[what]()
+    pr = cProfile.Profile()
+    pr.enable()
+    ops[what]()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
+    print(s.getvalue())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (after 1 warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--inner-fast", type=int, default=20, help="calls averaged per run for kvwire.open rows")
+    ap.add_argument("--inner-probe", type=int, default=200, help="calls averaged per run for kvwire.probe")
+    ap.add_argument("--tmpdir", default=None,
+                    help="where files are written (default: a fresh dir under benchmarks/out/, same disk as the repo)")
+    ap.add_argument("--results", default=str(HERE / "results"), help="directory for core.md / core.json")
+    ap.add_argument("--profile", choices=["save", "save_zstd", "load", "load_noverify", "load_torch", "open", "probe"],
+                    help="cProfile one kvwire operation (top 15 by own time) instead of benchmarking")
+    args = ap.parse_args(argv)
+
+    base = Path(args.tmpdir) if args.tmpdir else HERE / "out"
+    base.mkdir(parents=True, exist_ok=True)
+    tmpdir = tempfile.mkdtemp(prefix="bench-core-", dir=base)
+    try:
+        if args.profile:
+            profile(args, tmpdir, args.profile)
+            return 0
+        info = machine_info(tmpdir)
+        if info["filesystem"].startswith("tmpfs"):
+            print(f"warning: {tmpdir} is on tmpfs: save/load numbers will not reflect a disk", file=sys.stderr)
+        b = Bench(args, tmpdir)
+        rows = b.run()
+        cfg = {k: getattr(args, k) for k in ("layers", "heads", "head_dim", "tokens", "repeat", "seed",
+                                             "inner_fast", "inner_probe")}
+        tgts = targets(rows)
+        md = render(rows, info, cfg, b.extra, tgts)
+        print(md)
+        out = Path(args.results)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "core.md").write_text(md)
+        doc = {"schema": "kvwire-bench-core/1", "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "config": cfg, "machine": info, "extra": b.extra, "rows": rows, "targets": tgts}
+        (out / "core.json").write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        print(f"wrote {out / 'core.md'} and {out / 'core.json'}", file=sys.stderr)
+        return 0
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
