@@ -13,6 +13,7 @@ vendored under another name.
 """
 
 from .cache import KVCache
+from .decoder import ChunkEvent, EndEvent, HeaderEvent, StreamDecoder
 from .errors import (
     ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
     SchemaError, TruncatedError, VersionError,
@@ -23,7 +24,7 @@ from .version import __version__
 from .writer import Encoder, encode, iter_buffers, save
 
 __all__ = [
-    "Architecture", "ChecksumError", "CodecError", "Encoder", "FeatureError", "FormatError", "Header",
+    "Architecture", "ChecksumError", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "FeatureError", "FormatError", "Header",
     "HeaderError", "KVCache", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "TokenRange", "TruncatedError",
     "VersionError", "__version__", "encode", "iter_buffers", "load", "open", "probe", "save",

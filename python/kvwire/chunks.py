@@ -89,12 +89,9 @@ def _fail(mask: np.ndarray, exc, code: str, rule: str, what: str) -> None:
         raise exc(code, f"chunk record {i}: {what}", rule=rule)
 
 
-def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
-    """Validate records against the header; return ``lookup[slot] -> record index``."""
+def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
+    """Per-record rules (KVW-CHUNK-1..7); returns each record's slot in the chunk grid."""
     C = h.chunk_tokens
-    n = len(rec)
-    if n > L.MAX_CHUNKS:
-        raise LimitError("LIMIT_EXCEEDED", f"{n} chunks exceed {L.MAX_CHUNKS}", rule="KVW-LIM-1")
     layer = rec["layer"].astype(np.int64)
     comp = rec["component"].astype(np.int64)
     _fail(layer >= h.num_layers, LayoutError, "LAYER_OUT_OF_RANGE", "KVW-CHUNK-1", "layer index out of range")
@@ -123,11 +120,18 @@ def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
     _fail(stored == 0, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4", "stored_length is 0")
     _fail((rec["codec"] == R.CODECS["raw"]) & (stored != rec["raw_length"]), CodecError, "RAW_LENGTH_MISMATCH",
           "KVW-CHUNK-6", "raw codec with stored_length != raw_length")
+    return table.base[layer, comp] + t0 // C - lo // C
 
+
+def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
+    """Validate a whole record table; return ``lookup[slot] -> record index`` (KVW-CHUNK-8)."""
+    n = len(rec)
+    if n > L.MAX_CHUNKS:
+        raise LimitError("LIMIT_EXCEEDED", f"{n} chunks exceed {L.MAX_CHUNKS}", rule="KVW-LIM-1")
+    slots = check_record_fields(h, table, rec)
     if n != table.total:
         raise LayoutError("CHUNK_MISSING" if n < table.total else "CHUNK_DUPLICATE",
                           f"{n} chunk records, the header implies {table.total}", rule="KVW-CHUNK-8")
-    slots = table.base[layer, comp] + t0 // C - lo // C
     lookup = np.full(n, -1, np.int64)
     lookup[slots] = np.arange(n)
     if (lookup < 0).any():

@@ -30,12 +30,16 @@ from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from .tensors import empty, view
 
 
-def _read_header(buf) -> tuple[Header, int]:
-    minor, hlen, hsum = parse_preamble(buf)
-    header = parse_header(header_bytes(buf, hlen, hsum))
+def _check_version(header: Header, minor: int) -> None:
     if (header.format_major, header.format_minor) != (R.FORMAT_MAJOR, minor):
         raise VersionError("VERSION_MISMATCH", f"header says {header.format_major}.{header.format_minor}, "
                            f"preamble {R.FORMAT_MAJOR}.{minor}", rule="KVW-HDR-9")
+
+
+def _read_header(buf) -> tuple[Header, int]:
+    minor, hlen, hsum = parse_preamble(buf)
+    header = parse_header(header_bytes(buf, hlen, hsum))
+    _check_version(header, minor)
     return header, hlen
 
 

@@ -76,7 +76,7 @@ class Encoder:
             raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
         self._filled[slot] = True
 
-        pieces = [byte_view(np.ascontiguousarray(x[i])) for i in range(x.shape[0])]
+        pieces = [memoryview(byte_view(np.ascontiguousarray(x[i]))) for i in range(x.shape[0])]
         raw_length = sum(p.nbytes for p in pieces)
         codec, stored = self.codec, pieces
         if codec != "raw":
