@@ -21,7 +21,7 @@ from . import registry as R
 from .chunks import ChunkTable, check_record_fields
 from .codecs import decode_body
 from .container import (
-    END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, align_up, check_zero,
+    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, align_up, check_zero,
     next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, xxh3,
 )
 from .errors import ChecksumError, LayoutError, LimitError, TruncatedError
@@ -113,10 +113,13 @@ class StreamDecoder:
 
     def _step_preamble(self):
         if not self._have(PREAMBLE_SIZE):
-            try:
-                parse_preamble(self._bytes(0, self.received))  # rejects a bad magic early
-            except TruncatedError:
-                pass
+            head = bytes(self._buf[:4])
+            if self.received >= 8 or not (MAGIC.startswith(head) or b"\x09KVW".startswith(head)):
+                # judge the magic as soon as it cannot be the start of a (possibly mangled) magic
+                try:
+                    parse_preamble(self._bytes(0, self.received))  # rejects a bad magic early
+                except TruncatedError:
+                    pass
             return None
         _, self._hlen, self._hsum = parse_preamble(self._bytes(0, PREAMBLE_SIZE))
         self._state = "header"

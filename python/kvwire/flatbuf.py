@@ -124,6 +124,8 @@ class Table:
         self.buf.check(start + count, 1, 1, "string terminator")
         if self.buf.data[start + count] != 0:
             raise HeaderError("FB_STRING", "string not NUL-terminated", rule="KVW-HDR-7")
+        if 0 in self.buf.data[start : start + count]:  # a C reader using strlen would see another string
+            raise HeaderError("FB_STRING", "string contains a NUL byte", rule="KVW-HDR-7")
         try:
             return bytes(self.buf.data[start : start + count]).decode("utf-8")
         except UnicodeDecodeError:

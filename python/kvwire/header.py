@@ -335,7 +335,7 @@ def _check_metadata(md: dict) -> None:
     if len(md) > L.MAX_METADATA_ENTRIES:
         _fail("LIMIT_EXCEEDED", "KVW-LIM-1", "too many metadata entries", LimitError)
     for k, v in md.items():
-        if not (isinstance(k, str) and len(k) <= 256 and _METADATA_KEY.match(k)):
+        if not (isinstance(k, str) and len(k) <= 256 and _METADATA_KEY.fullmatch(k)):
             _fail("METADATA_KEY_INVALID", "KVW-META-1", f"metadata key {k!r} is not 'namespace.name'")
         if not (isinstance(v, (bytes, bytearray)) and len(v) <= L.MAX_BYTES_LENGTH):
             _fail("METADATA_VALUE_INVALID", "KVW-META-1", f"metadata value of {k!r} must be bytes of at most "
@@ -419,9 +419,33 @@ def _build_strings(b, obj, names) -> dict[str, int]:
     return out
 
 
+def check_writable(h: Header) -> None:
+    """Rules only writers are bound by: what readers tolerate but no writer may emit."""
+    check_header(h)
+    if h.optional_features & ~R.KNOWN_OPTIONAL_FEATURES:
+        raise ValueError(f"optional feature bits {h.optional_features:#x} are not assigned (KVW-REG-1)")
+    if h.arch.schema_version != 1:
+        raise ValueError("Architecture.schema_version must be 1 in format v1.0 (KVW-ARCH-9)")
+    reserved = [k for k in h.metadata if k.split(".", 1)[0] == "kvwire"]
+    if reserved:
+        raise ValueError(f"metadata keys {reserved} use the reserved 'kvwire' namespace (KVW-META-3)")
+    if h.format_minor != R.FORMAT_MINOR:
+        raise ValueError(f"this writer writes format {R.FORMAT_MAJOR}.{R.FORMAT_MINOR}")
+    # what the reader's FlatBuffers checks refuse (KVW-HDR-7, KVW-LIM-1), refused before it is written
+    m, p = h.model, h.producer
+    for s in (p.library, p.version, m.model_type, m.model_id, m.revision):
+        if "\0" in s or len(s.encode("utf-8")) > L.MAX_STRING_LENGTH:
+            raise ValueError(f"string {s[:40]!r}...: no NUL, at most {L.MAX_STRING_LENGTH} UTF-8 bytes (KVW-HDR-7)")
+    blobs = (m.config_fingerprint, m.tokenizer_fingerprint, m.weights_fingerprint, m.compat_fingerprint)
+    ropes = [r for r in (h.arch.rope, *(s.rope for s in h.arch.layers)) if r is not None]
+    if any(len(b) > L.MAX_BYTES_LENGTH for b in blobs) or any(
+            len(v) > L.MAX_ROPE_FACTORS for r in ropes for v in (r.short_factor, r.long_factor, r.mrope_section)):
+        raise ValueError("a fingerprint or RoPE factor list exceeds its limit (KVW-LIM-1)")
+
+
 def build_header(h: Header) -> bytes:
     """Serialize a header to FlatBuffer bytes (file identifier "KVWH")."""
-    check_header(h)
+    check_writable(h)
     b = flatbuffers.Builder(1024)
     arch = _build_arch(b, h.arch)
     ps = _build_strings(b, h.producer, ("library", "version"))
@@ -536,8 +560,9 @@ def _read_rope(t: Table | None) -> RopeParams | None:
 def _read_arch(t: Table) -> Architecture:
     num_layers = t.scalar(1, _S["I"], 0)
     if not 1 <= num_layers <= L.MAX_LAYERS:
-        raise LimitError("LIMIT_EXCEEDED" if num_layers else "ARCH_INVALID",
-                         f"num_layers {num_layers} outside [1, {L.MAX_LAYERS}]", rule="KVW-ARCH-1")
+        raise (LimitError if num_layers else SchemaError)("LIMIT_EXCEEDED" if num_layers else "ARCH_INVALID",
+                                                          f"num_layers {num_layers} outside [1, {L.MAX_LAYERS}]",
+                                                          rule="KVW-ARCH-1")
     specs = []
     for st in t.tables(2, L.MAX_LAYERS):
         kw = _read_scalars(st, LayerSpec, _LAYER_SCALARS)

@@ -64,6 +64,7 @@ MAP_OP_BY_CODE = {v: k for k, v in MAP_OPS.items()}
 
 # Required-feature bits this reader implements (spec: "Feature registry"). v1.0 defines none.
 KNOWN_REQUIRED_FEATURES = 0
+KNOWN_OPTIONAL_FEATURES = 0
 # ChunkRecord.flags: bits 0-7 optional (ignored when unknown), bits 8-15 required.
 KNOWN_REQUIRED_CHUNK_FLAGS = 0
 CHUNK_FLAGS_REQUIRED_MASK = 0xFF00

@@ -10,7 +10,9 @@ and renames it into place, so a reader never sees a partial file (KVW-FILE-6).
 from __future__ import annotations
 
 import os
+import queue
 import secrets
+import threading
 
 import numpy as np
 import xxhash
@@ -60,6 +62,8 @@ class Encoder:
         """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor."""
         self._expect("chunks", "chunk")
         h = self.header
+        if not 0 <= layer < h.num_layers:  # a negative index would wrap onto the last layers
+            raise ValueError(f"layer {layer} outside [0, {h.num_layers})")
         spec, r = h.arch.layers[layer], h.layer_tokens[layer]
         x = as_numpy(data)
         n = int(x.shape[1]) if x.ndim == 3 else -1
@@ -137,10 +141,12 @@ def iter_buffers(cache: KVCache, *, form: str = "file", codec: str = "raw", leve
     h = cache.header
     enc = Encoder(h, codec=codec, level=level)
     yield from enc.begin()
+    host = {}  # one host view per tensor (a GPU tensor is copied to the host once, not per chunk)
     for layer, comp, t0, n in planned_chunks(h):
-        x = as_numpy(cache.layers[layer][comp])
+        if (layer, comp) not in host:
+            host = {(layer, comp): as_numpy(cache.layers[layer][comp])}
         local = t0 - h.layer_tokens[layer].start
-        yield from enc.chunk(layer, comp, t0, x[:, local : local + n, :])
+        yield from enc.chunk(layer, comp, t0, host[layer, comp][:, local : local + n, :])
     yield from enc.end(form=form)
 
 
@@ -149,18 +155,49 @@ def encode(cache: KVCache, **opts) -> bytes:
     return b"".join(iter_buffers(cache, **opts))
 
 
-def write_all(fd: int, buffers) -> int:
-    """writev every buffer, resuming after partial writes; returns bytes written."""
-    iov_max = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-    total, batch = 0, []
-    for buf in buffers:
-        mv = memoryview(buf).cast("B")
-        if mv.nbytes:
-            batch.append(mv)
-        if len(batch) >= iov_max:
-            total += _writev(fd, batch)
-            batch = []
-    return total + _writev(fd, batch)
+def write_all(fd: int, buffers, *, batch_bytes: int = 8 << 20) -> int:
+    """writev every buffer in order; returns bytes written.
+
+    Buffers are grouped into batches of about ``batch_bytes`` that a second thread
+    writes while this one produces (and checksums) the next batch: ``os.writev``
+    releases the GIL, so hashing and the kernel copy overlap.
+    """
+    iov_max = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+    batches: queue.Queue = queue.Queue(maxsize=2)
+    failure: list[BaseException] = []
+
+    def drain() -> None:
+        while (batch := batches.get()) is not None:
+            if not failure:
+                try:
+                    _writev(fd, batch)
+                except BaseException as exc:  # reported to the producer below
+                    failure.append(exc)
+
+    writer = threading.Thread(target=drain, name="kvwire-writev", daemon=True)
+    writer.start()
+    total, batch, size = 0, [], 0
+    try:
+        for buf in buffers:
+            if failure:
+                break
+            mv = memoryview(buf).cast("B")
+            if mv.nbytes:
+                batch.append(mv)
+                size += mv.nbytes
+            if len(batch) >= iov_max or size >= batch_bytes:
+                batches.put(batch)
+                total += size
+                batch, size = [], 0
+        if batch and not failure:
+            batches.put(batch)
+            total += size
+    finally:
+        batches.put(None)
+        writer.join()
+    if failure:
+        raise failure[0]
+    return total
 
 
 def _writev(fd: int, batch: list) -> int:

@@ -1,0 +1,43 @@
+"""Shared fixtures. Helpers and the container forge live in tests/forge.py."""
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import forge` from any test module
+
+import forge  # noqa: E402
+
+import kvwire  # noqa: E402
+
+# Hypothesis: modest example counts and no deadline (CI machines with 2 cores vary a lot).
+settings.register_profile("kvwire", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvwire"))
+
+FORMS = ("file", "stream")
+CODECS = ("raw", "zstd")
+
+
+@pytest.fixture(scope="session")
+def small():
+    """2 layers x 2 heads x 8 dims x 40 tokens, f16, chunks of 16 (3 chunks per component)."""
+    return forge.small_cache()
+
+
+@pytest.fixture(scope="session")
+def encoded(small):
+    """{(form, codec): bytes} of ``small``; zstd bodies really are zstd (compressible data)."""
+    return {(f, c): kvwire.encode(small, form=f, codec=c) for f in FORMS for c in CODECS}
+
+
+@pytest.fixture(params=FORMS)
+def form(request):
+    return request.param
+
+
+@pytest.fixture(params=[(f, c) for f in FORMS for c in CODECS], ids=lambda p: f"{p[0]}-{p[1]}")
+def form_codec(request):
+    return request.param
