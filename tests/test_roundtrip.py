@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
+import kvwire.synth
 import kvwire.writer
 from kvwire import limits as L
 from kvwire import registry as R
@@ -619,3 +620,20 @@ def test_distinct_layer_specs_are_stored_once():
     h = parse_header(many)
     assert h.num_layers == 128 and all(s == spec for s in h.arch.layers)
 
+
+
+def test_torch_views_never_write_into_read_only_input():
+    """A torch chunk of a bytes container is a copy: torch has no read-only tensors."""
+    torch = pytest.importorskip("torch")
+    data = kvwire.encode(kvwire.synth.synth_cache(1, 2, 8, 16, seed=3))
+    before = bytes(data)
+    with kvwire.open(data) as r:
+        t = r.chunk(0, "k", 0, backend="torch")
+        t.fill_(0)
+        assert torch.count_nonzero(r.chunk(0, "k", 0, backend="torch")) > 0
+    assert data == before
+    writable = bytearray(data)
+    with kvwire.open(writable) as r:  # a writable buffer is shared, not copied
+        t = r.chunk(0, "k", 0, backend="torch")
+        off = int(r.record(0, "k", 0)["offset"])
+        assert t.data_ptr() == np.frombuffer(writable, np.uint8)[off:].ctypes.data

@@ -406,6 +406,10 @@ FULL = forge.DEFAULT_LAYER
     ([FULL, dict(kind=4, source_layer=0), dict(kind=4, source_layer=1)], "KVW-ARCH-4"),  # source is shared
     ([FULL, dict(kind=4, source_layer=0, num_kv_heads=1)], "KVW-ARCH-4"),  # shared declares dims
     ([FULL, dict(FULL, source_layer=0)], "KVW-ARCH-4"),  # not shared but has a source
+    ([FULL, dict(kind=4, source_layer=0, window=8)], "KVW-ARCH-4"),  # shared declares a window
+    ([FULL, dict(kind=4, source_layer=0, kv_lora_rank=8)], "KVW-ARCH-4"),  # shared declares MLA fields
+    ([dict(FULL, kv_lora_rank=8)], "KVW-ARCH-5"),  # MLA fields on a non-MLA layer
+    ([dict(FULL, qk_rope_head_dim=4)], "KVW-ARCH-5"),
     ([dict(kind=3, num_kv_heads=2, head_dim_k=12, kv_lora_rank=8, qk_rope_head_dim=4)], "KVW-ARCH-5"),
     ([dict(kind=3, num_kv_heads=1, head_dim_k=12, head_dim_v=4, kv_lora_rank=8, qk_rope_head_dim=4)],
      "KVW-ARCH-5"),
@@ -983,3 +987,13 @@ def test_stream_decoder_agrees_with_the_reader(name):
     assert by_decoder.value.code == by_reader.value.code
     if by_reader.value.code != "TRUNCATED":  # the decoder only learns at close() that input ended
         assert by_decoder.value.rule == by_reader.value.rule
+
+
+@pytest.mark.parametrize("value", [2, 0xFF])
+def test_bool_field_must_be_0_or_1(value):
+    """KVW-HDR-10: a bool is a two-value enum, so each header has one encoding."""
+    hb = forge.fb_header(layers=[dict(FULL, uses_rope=False)])
+    spec = forge.root_table(hb).table(6).tables(2, 16)[0]
+    bad = forge.patch(hb, forge.field_pos(spec, 6, 1), "B", value)
+    expect(forge.wrap_header(bad), SchemaError, "ENUM_OUT_OF_RANGE", "KVW-HDR-10")
+    assert kvwire.probe(forge.wrap_header(hb)).arch.layers[0].uses_rope is False

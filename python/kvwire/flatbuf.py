@@ -88,6 +88,18 @@ class Table:
         pos = self._field(fid, fmt.size)
         return default if pos is None else fmt.unpack_from(self.buf.data, pos)[0]
 
+    def boolean(self, fid: int, default: bool) -> bool:
+        """A bool field: one byte that MUST be 0 or 1, so each header has one encoding (KVW-HDR-10)."""
+        pos = self._field(fid, 1)
+        if pos is None:
+            return default
+        value = self.buf.data[pos]
+        if value > 1:
+            from .errors import SchemaError
+
+            raise SchemaError("ENUM_OUT_OF_RANGE", f"bool field {fid} holds {value}, not 0 or 1", rule="KVW-HDR-10")
+        return bool(value)
+
     def _ref(self, fid: int, required: bool, what: str) -> int | None:
         pos = self._field(fid, 4)
         if pos is None:

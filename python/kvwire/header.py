@@ -260,8 +260,9 @@ def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int) -> None:
     if s.kind not in R.LAYER_KINDS:
         _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r}")
     if s.kind == "shared":
-        if s.num_kv_heads or s.head_dim_k or s.head_dim_v:
-            _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions; its source layer defines them")
+        if s.num_kv_heads or s.head_dim_k or s.head_dim_v or s.window or s.kv_lora_rank or s.qk_rope_head_dim:
+            _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions or a window; its source "
+                  "layer defines them")
         return
     if s.source_layer != -1:
         _fail("ARCH_INVALID", "KVW-ARCH-4", f"layer {i} is not shared but has source_layer {s.source_layer}")
@@ -270,8 +271,11 @@ def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int) -> None:
                 and s.head_dim_k == s.kv_lora_rank + s.qk_rope_head_dim):
             _fail("ARCH_INVALID", "KVW-ARCH-5", f"mla_latent layer {i}: need num_kv_heads 1, head_dim_v 0, "
                   "head_dim_k = kv_lora_rank + qk_rope_head_dim")
-    elif s.head_dim_v < 1:
-        _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} head_dim_v is 0")
+    else:
+        if s.head_dim_v < 1:
+            _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} head_dim_v is 0")
+        if s.kv_lora_rank or s.qk_rope_head_dim:
+            _fail("ARCH_INVALID", "KVW-ARCH-5", f"layer {i} ({s.kind}) sets MLA fields kv_lora_rank/qk_rope_head_dim")
     if not (1 <= s.num_kv_heads <= L.MAX_HEADS and 1 <= s.head_dim_k <= L.MAX_HEAD_DIM
             and s.head_dim_v <= L.MAX_HEAD_DIM):
         _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} heads {s.num_kv_heads} / head dims "
@@ -532,7 +536,9 @@ def _read_scalars(t: Table, cls, spec) -> dict:
     fields_ = cls.__dataclass_fields__
     for attr, fid, code, enum in spec:
         default = fields_[attr].default
-        if enum is None:
+        if code == "?":
+            out[attr] = t.boolean(fid, default)
+        elif enum is None:
             out[attr] = t.scalar(fid, _S[code], default)
         else:
             out[attr] = _enum(_REVERSE[id(enum)], t.scalar(fid, _S[code], enum[default]), attr)
@@ -575,7 +581,7 @@ def _read_arch(t: Table) -> Architecture:
     return Architecture(
         layers=tuple(specs[i] for i in index),
         rope=_read_rope(t.table(4)),
-        keys_post_rope=t.scalar(5, _S["?"], True),
+        keys_post_rope=t.boolean(5, True),
         schema_version=t.scalar(0, _S["H"], 1),
     )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import builtins
 import mmap
 import os
-import warnings
 
 import numpy as np
 
@@ -57,6 +56,7 @@ class Reader:
 
     def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, _closer=None):
         self._buf = buffer
+        self._readonly = memoryview(buffer).readonly
         self._closer = _closer
         self.size = len(buffer)
         self.header, hlen = _read_header(buffer)
@@ -175,13 +175,12 @@ class Reader:
         shape = spec.shape(R.COMPONENT_BY_CODE[int(rec["component"])], int(rec["token_count"]))
         codec = R.CODEC_BY_CODE[int(rec["codec"])]
         if codec == "raw":
-            with warnings.catch_warnings():  # torch warns on read-only buffers; views of bytes stay read-only
-                warnings.simplefilter("ignore", UserWarning)
-                return view(self._buf, int(rec["offset"]), self.header.dtype, shape, backend)
+            if backend == "torch" and self._readonly:
+                # torch has no read-only tensors: a view of bytes would let callers write into them
+                return view(bytearray(stored), 0, self.header.dtype, shape, backend)
+            return view(self._buf, int(rec["offset"]), self.header.dtype, shape, backend)
         data = decode_body(codec, stored, int(rec["raw_length"]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return view(bytearray(data) if backend == "torch" else data, 0, self.header.dtype, shape, backend)
+        return view(bytearray(data) if backend == "torch" else data, 0, self.header.dtype, shape, backend)
 
     # -- whole layers ------------------------------------------------------------------
 
