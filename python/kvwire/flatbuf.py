@@ -18,6 +18,8 @@ from .limits import MAX_FB_TABLES
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _U16 = struct.Struct("<H")
+_VT = struct.Struct("<HH")
+MAX_FIELD_ID = 31  # no table of schemas/*.fbs has more fields; higher ids are never read
 
 
 class Buffer:
@@ -53,28 +55,38 @@ class Buffer:
 class Table:
     """A verified table: vtable bounds and inline size checked on construction."""
 
-    __slots__ = ("buf", "pos", "vt", "nfields", "inline")
+    __slots__ = ("buf", "pos", "vt", "nfields", "inline", "offsets")
 
     def __init__(self, buf: Buffer, pos: int):
         buf.tables_left -= 1
         if buf.tables_left < 0:
             raise LimitError("FB_TOO_COMPLEX", f"more than {MAX_FB_TABLES} tables", rule="KVW-HDR-8")
-        buf.check(pos, 4, 4, "table")
-        vt = pos - _I32.unpack_from(buf.data, pos)[0]
-        buf.check(vt, 4, 2, "vtable")
-        vtsize, inline = _U16.unpack_from(buf.data, vt)[0], _U16.unpack_from(buf.data, vt + 2)[0]
+        data, n = buf.data, buf.n
+        if pos < 0 or pos + 4 > n or pos % 4:
+            buf.check(pos, 4, 4, "table")  # raises with the precise reason
+        vt = pos - _I32.unpack_from(data, pos)[0]
+        if vt < 0 or vt + 4 > n or vt % 2:
+            buf.check(vt, 4, 2, "vtable")
+        vtsize, inline = _VT.unpack_from(data, vt)
         if vtsize < 4 or vtsize % 2:
             raise HeaderError("FB_VTABLE", f"vtable size {vtsize} invalid", rule="KVW-HDR-5")
         if inline < 4:
             raise HeaderError("FB_VTABLE", f"table inline size {inline} below 4", rule="KVW-HDR-5")
-        buf.check(vt, vtsize, 2, "vtable")
-        buf.check(pos, inline, 4, "table")
+        if vt + vtsize > n:
+            buf.check(vt, vtsize, 2, "vtable")
+        if pos + inline > n:
+            buf.check(pos, inline, 4, "table")
         self.buf, self.pos, self.vt, self.nfields, self.inline = buf, pos, vt, (vtsize - 4) // 2, inline
+        # Field offsets of the ids a kvwire schema can have: unpacked once, never the whole of a
+        # hostile 32767-entry vtable (which may be shared by thousands of tables).
+        known = min(self.nfields, MAX_FIELD_ID + 1)
+        self.offsets = struct.unpack_from(f"<{known}H", buf.data, vt + 4)
 
     def _field(self, fid: int, size: int) -> int | None:
-        if fid >= self.nfields:
+        offsets = self.offsets
+        if fid >= len(offsets):
             return None
-        off = _U16.unpack_from(self.buf.data, self.vt + 4 + 2 * fid)[0]
+        off = offsets[fid]
         if off == 0:
             return None
         if off < 4 or off + size > self.inline:
@@ -117,11 +129,15 @@ class Table:
         target = self._ref(fid, required, "vector")
         if target is None:
             return None
-        count = self.buf.u32(target, "vector length")
+        buf = self.buf
+        if target < 0 or target + 4 > buf.n or target % 4:
+            buf.check(target, 4, 4, "vector length")
+        count = _U32.unpack_from(buf.data, target)[0]
         if count > max_count:
             raise LimitError("LIMIT_EXCEEDED", f"vector of {count} elements exceeds limit {max_count}", rule="KVW-LIM-1")
         start = target + 4
-        self.buf.check(start, count * elem_size, elem_align, "vector body")
+        if start + count * elem_size > buf.n or (elem_align > 1 and start % elem_align):
+            buf.check(start, count * elem_size, elem_align, "vector body")
         return start, count
 
     def blob(self, fid: int, max_len: int) -> bytes | None:

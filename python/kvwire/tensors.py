@@ -18,7 +18,7 @@ _TORCH_NAMES = {
     "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f8_e4m3fn": "float8_e4m3fn",
     "f8_e5m2": "float8_e5m2", "f8_e4m3fnuz": "float8_e4m3fnuz", "i8": "int8", "u8": "uint8",
 }
-_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32}
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def _torch():
@@ -61,6 +61,12 @@ def as_numpy(x) -> np.ndarray:
     torch = _torch()
     int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[np_dtype.itemsize]
     return t.view(int_dtype).numpy().view(np_dtype)
+
+
+def as_uint(a: np.ndarray) -> np.ndarray:
+    """The same memory as unsigned integers of the same width (numpy copies custom dtypes
+    such as bf16 element by element; integer copies are memcpy)."""
+    return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
 
 
 def byte_view(a: np.ndarray) -> np.ndarray:
