@@ -40,6 +40,7 @@ import kvwire  # noqa: E402
 from kvwire.synth import synth_cache  # noqa: E402
 
 PROBE_BYTES = 64 << 10
+MALLOC_TUNABLE = "glibc.malloc.mmap_threshold=131072"
 COMPS = ("k", "v")
 
 
@@ -58,9 +59,9 @@ def measure(fn, *, repeat, setup=None, teardown=None, check=None, inner=1):
     last_checked = False
     for rep in range(repeat + 1):
         total = 0
+        gc.collect()
         for j in range(inner):
             arg = setup() if setup else None
-            gc.collect()
             gc.disable()
             try:
                 t0 = time.perf_counter_ns()
@@ -125,8 +126,9 @@ def drop_caches_note():
 
 
 def warm(path):
+    buf = bytearray(16 << 20)
     with open(path, "rb") as f:
-        while f.readinto(bytearray(16 << 20)):
+        while f.readinto(buf):
             pass
 
 
@@ -155,6 +157,54 @@ def fs_of(path):
     except OSError:
         pass
     return best
+
+
+def loadavg():
+    try:
+        return [float(x) for x in os.getloadavg()]
+    except OSError:
+        return [-1.0, -1.0, -1.0]
+
+
+def cpu_busy(seconds=1.0):
+    """Fraction of all CPUs busy over ``seconds`` while this process sleeps: other load."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)  # idle + iowait, total
+    try:
+        i0, t0 = snap()
+        time.sleep(seconds)
+        i1, t1 = snap()
+        return round(1 - (i1 - i0) / max(t1 - t0, 1), 3)
+    except OSError:
+        return -1.0
+
+
+def cpu_snapshot():
+    """(system busy CPU-seconds, this process's CPU-seconds, wall seconds)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def other_cpu_share(a, b):
+    """Share of the machine's CPU time used by other processes between two snapshots."""
+    wall = (b[2] - a[2]) * (os.cpu_count() or 1)
+    return round(max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / wall), 3) if wall > 0 else -1.0
+
+
+def read_first(path):
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return "?"
 
 
 def machine_info(tmpdir):
@@ -193,6 +243,8 @@ def machine_info(tmpdir):
         "safetensors": safetensors.__version__, "xxhash": xxhash.VERSION, "zstandard": zstandard.__version__,
         "ml_dtypes": ml_dtypes.__version__, "kvwire": kvwire.__version__,
         "git": git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--", "python") else ""),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        "transparent_hugepage": read_first("/sys/kernel/mm/transparent_hugepage/enabled"),
         "tmpdir": str(tmpdir), "filesystem": f"{fstype} on {dev} (mounted at {mnt})",
     }
 
@@ -245,6 +297,33 @@ class Bench:
         self.row("xxh3_mem", "xxhash.xxh3_64 over the payload in memory",
                  measure(lambda: xxhash.xxh3_64_intdigest(flat), repeat=R, check=lambda h: assert_eq(h, ref)),
                  nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        wpath = self.tmp / "raw.bin"
+
+        def raw_write(p):
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                mv, done = memoryview(flat), 0
+                while done < N:
+                    done += os.write(fd, mv[done:])
+            finally:
+                os.close(fd)
+            return p
+        self.row("write_raw", "write(2) of the payload to a new file (page cache)",
+                 measure(raw_write, setup=lambda: (rm(wpath), os.sync(), wpath)[2], repeat=R,
+                         check=lambda p: assert_eq(xxhash.xxh3_64_intdigest(p.read_bytes()), ref)),
+                 nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        warm(wpath)
+
+        def raw_read():
+            d = np.empty(N, np.uint8)
+            with open(wpath, "rb", buffering=0) as f:
+                got = f.readinto(d)
+            assert got == N
+            return d
+        self.row("read_raw", "readinto(2) of the file into a fresh buffer (page cache warm)",
+                 measure(raw_read, repeat=R, check=lambda d: assert_eq(xxhash.xxh3_64_intdigest(d), ref)),
+                 nbytes=N, group="limits", baseline="memcpy_prefaulted")
+        rm(wpath)
         del flat
 
         # ---- save ---------------------------------------------------------------------
@@ -265,6 +344,18 @@ class Bench:
         self.row("kvwire_save", "kvwire.save (page cache, no fsync)",
                  measure(lambda p: kvwire.save(p, cache), setup=before_write(kvw), repeat=R),
                  nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(kvw)} B")
+        def before_overwrite(path, write):
+            def setup():
+                if not path.exists():
+                    write(path)
+                os.sync()
+                return path
+            return setup
+        self.row("kvwire_save_replace", "kvwire.save over an existing file (no fsync)",
+                 measure(lambda p: kvwire.save(p, cache), setup=before_overwrite(kvw, lambda p: kvwire.save(p, cache)),
+                         repeat=R),
+                 nbytes=N, group="save", baseline="torch_save_replace",
+                 notes="rename over the old file (ext4 auto_da_alloc starts writeback)")
         self.row("kvwire_save_fsync", "kvwire.save fsync=True (file + directory fsync)",
                  measure(lambda p: kvwire.save(p, cache, fsync=True), setup=before_write(kvw), repeat=R),
                  nbytes=N, group="save", baseline="torch_save")
@@ -282,6 +373,10 @@ class Bench:
         self.row("torch_save", "torch.save(dict of bf16 tensors)",
                  measure(torch_save, setup=before_write(pt), repeat=R),
                  nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(pt)} B")
+
+        self.row("torch_save_replace", "torch.save over an existing file",
+                 measure(torch_save, setup=before_overwrite(pt, torch_save), repeat=R),
+                 nbytes=N, group="save", baseline="torch_save", notes="truncate + rewrite in place")
 
         from safetensors.torch import load_file, safe_open, save_file
         self.row("st_save", "safetensors.torch.save_file",
@@ -327,19 +422,33 @@ class Bench:
                          nbytes=N, group="load", baseline="torch_load")
 
         by_name = lambda d: [d[n] for n in names]  # noqa: E731
-        self.row("torch_load", "torch.load(weights_only=True)",
-                 measure(lambda: torch.load(pt, weights_only=True), repeat=R, check=expect(ref, by_name)),
-                 nbytes=N, group="load", baseline="torch_load")
-        self.row("st_load_file", "safetensors.torch.load_file",
-                 measure(lambda: load_file(str(st)), repeat=R, check=expect(ref, by_name)),
-                 nbytes=N, group="load", baseline="torch_load")
+
+        def eager(loader, path, label):
+            """``loader`` as timed in the load group: if it hands back tensors backed by a
+            mapping of the file (lazy), each is cloned so the row ends with the data in
+            process memory, like kvwire.load. Decided once, untimed."""
+            d = loader()
+            lazy = mapped_from(path, d.values())
+            del d
+            if not lazy:
+                return loader, label, False
+            return (lambda: {k: v.clone() for k, v in loader().items()}), label + " + clone() each", True
 
         def st_open_all():
             with safe_open(str(st), framework="pt") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}
-        self.row("st_safe_open", "safetensors safe_open + get_tensor(every tensor)",
-                 measure(st_open_all, repeat=R, check=expect(ref, by_name)),
-                 nbytes=N, group="load", baseline="torch_load")
+        lazy_rows = []
+        for key, loader, path, label in [
+            ("torch_load", lambda: torch.load(pt, weights_only=True), pt, "torch.load(weights_only=True)"),
+            ("st_load_file", lambda: load_file(str(st)), st, "safetensors.torch.load_file"),
+            ("st_safe_open", st_open_all, st, "safetensors safe_open + get_tensor(every tensor)"),
+        ]:
+            fn, lab, lazy = eager(loader, path, label)
+            self.row(key, lab, measure(fn, repeat=R, check=expect(ref, by_name)), nbytes=N, group="load",
+                     baseline="torch_load", notes="returns mmap-backed tensors; cloned to load" if lazy else "")
+            if lazy:
+                lazy_rows.append((key + "_lazy", loader, label + " as returned (mmap-backed, untouched)"))
+        self.extra["lazy_loaders"] = [k for k, _, _ in lazy_rows]
 
         def pickle_load():
             with open(pk, "rb") as f:
@@ -350,7 +459,6 @@ class Bench:
 
         # ---- zero-copy open / probe ---------------------------------------------------
         print("open / probe", file=sys.stderr)
-        readers = []
 
         def close_reader(r):
             r.close()
@@ -360,10 +468,7 @@ class Bench:
                  nbytes=N, group="open", baseline="torch_load")
 
         def open_views():
-            r = kvwire.open(kvw)
-            views = [r.chunk(layer, c, i, verify=False)
-                     for layer in range(a.layers) for c in COMPS for i in range(r.num_chunks(layer, c))]
-            return r, views
+            return open_all_views(kvw, a.layers)
 
         def check_views(out):
             r, views = out
@@ -382,6 +487,9 @@ class Bench:
         self.row("torch_load_mmap", "torch.load(mmap=True, weights_only=True) (lazy, untouched)",
                  measure(lambda: torch.load(pt, mmap=True, weights_only=True), repeat=R, check=expect(ref, by_name)),
                  nbytes=N, group="open", baseline="torch_load")
+        for key, loader, label in lazy_rows:
+            self.row(key, label, measure(loader, repeat=R, check=expect(ref, by_name)), nbytes=N, group="open",
+                     baseline="torch_load")
 
         with open(kvw, "rb") as f:
             first = f.read(PROBE_BYTES)
@@ -389,8 +497,25 @@ class Bench:
                  measure(lambda: kvwire.probe(first), repeat=R, inner=a.inner_probe,
                          check=lambda h: assert_eq(h.token_count, a.tokens)),
                  nbytes=None, group="open", baseline="kvwire_open")
-        del readers
         return self.rows
+
+
+def open_all_views(path, layers):
+    r = kvwire.open(path)
+    return r, [r.chunk(layer, c, i, verify=False)
+               for layer in range(layers) for c in COMPS for i in range(r.num_chunks(layer, c))]
+
+
+def mapped_from(path, tensors) -> int:
+    """How many of ``tensors`` point into a mapping of ``path`` (i.e. are lazy, mmap-backed)."""
+    real, spans = os.path.realpath(path), []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == real:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi))
+    return sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
 
 
 def chunks_per(r):
@@ -412,7 +537,10 @@ GROUPS = [
     ("load", "Load into process memory (ratio = torch.load time / this time)"),
     ("open", "Zero-copy open and probe (ratio = baseline time / this time)"),
 ]
-ZERO_COPY = {"kvwire_open", "kvwire_open_views", "torch_load_mmap", "kvwire_probe"}
+SHORT = {"memcpy_prefaulted": "memcpy", "torch_save": "torch.save", "torch_save_replace": "torch.save over existing", "torch_load": "torch.load",
+         "kvwire_open": "kvwire.open"}
+ZERO_COPY = {"kvwire_open", "kvwire_open_views", "torch_load_mmap", "kvwire_probe", "torch_load_lazy",
+             "st_load_file_lazy", "st_safe_open_lazy"}
 
 
 def gbps(row):
@@ -457,11 +585,16 @@ def render(rows, info, cfg, extra, tgts):
     L.append(f"Timing: median of {cfg['repeat']} runs after 1 warm-up (min also shown); "
              f"sub-ms rows average {cfg['inner_fast']} (open) / {cfg['inner_probe']} (probe) calls per run. "
              "GB/s = payload bytes / median time (1 GB = 1e9 B).  ")
-    L.append(f"Files: {info['tmpdir']} ({info['filesystem']}), not /dev/shm. Saves: target deleted and "
-             "`os.sync()` before each run (untimed); no fsync unless stated. Loads: "
+    L.append(f"Files: {info['tmpdir']} ({info['filesystem']}), not /dev/shm. Saves: target deleted (kept for the "
+             "\"over an existing file\" rows) and `os.sync()` before each run (untimed); no fsync unless stated. Loads: "
              f"{drop_caches_note()}. Every result is checked once against an XXH3 of the source data.\n")
     L.append(f"Machine: {info['cpu']}, {info['usable_cores']} usable cores ({info['logical_cores']} logical), "
-             f"{info['memory']} RAM, {info['os']}.  ")
+             f"{info['memory']} RAM, {info['os']}; other processes used "
+             f"{info['cpu_busy_before']:.0%} of the CPUs just before the run and {info['cpu_other_during']:.0%} during it"
+             f"{' (CONTAMINATED: re-run on an idle machine)' if info['cpu_other_during'] > 0.05 else ''}.  ")
+    L.append(f"Memory: GLIBC_TUNABLES={info['glibc_tunables'] or '(unset)'} "
+             f"({'every large allocation is fresh pages: loads pay page faults' if MALLOC_TUNABLE in info['glibc_tunables'] else 'adaptive malloc: loads may reuse faulted pages'}); "
+             f"transparent hugepages: {info['transparent_hugepage']}.  ")
     L.append(f"Python {info['python']}, numpy {info['numpy']}, torch {info['torch']} ({info['torch_threads']} threads), "
              f"safetensors {info['safetensors']}, xxhash {info['xxhash']}, zstandard {info['zstandard']}, "
              f"kvwire {info['kvwire']} @ {info['git']}.\n")
@@ -477,7 +610,7 @@ def render(rows, info, cfg, extra, tgts):
             base = r["baseline"]
             ratio = rows[base]["median_ns"] / r["median_ns"] if base in rows else None
             L.append(f"| {r['label']} | {fmt_ms(r['median_ns'])} | {fmt_ms(r['min_ns'])} | {gb} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {rows[base]['label'] if base in rows else '-'}"
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {SHORT.get(base, base) if base in rows else '-'}"
                      f" | {r['notes']} |")
     L.append("\n## Targets\n")
     L.append("| target | result | measured |")
@@ -497,6 +630,8 @@ def profile(args, tmpdir, what):
     p = Path(tmpdir) / "cache.kvw"
     kvwire.save(p, cache)
     warm(p)
+    with open(p, "rb") as f:
+        first = f.read(PROBE_BYTES)
     ops = {
         "save": lambda: kvwire.save(p, cache),
         "save_zstd": lambda: kvwire.save(Path(tmpdir) / "z.kvw", cache, codec="zstd"),
@@ -504,7 +639,8 @@ def profile(args, tmpdir, what):
         "load_noverify": lambda: kvwire.load(p, verify=False),
         "load_torch": lambda: kvwire.load(p, backend="torch"),
         "open": lambda: [kvwire.open(p).close() for _ in range(args.inner_fast)],
-        "probe": lambda: [kvwire.probe(p.read_bytes()[:PROBE_BYTES]) for _ in range(args.inner_probe)],
+        "open_views": lambda: [open_all_views(p, args.layers)[0].close() for _ in range(args.inner_fast)],
+        "probe": lambda: [kvwire.probe(first) for _ in range(args.inner_probe)],
     }
     ops[what]()
     pr = cProfile.Profile()
@@ -524,18 +660,35 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (after 1 warm-up)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's own default); recorded in the report")
     ap.add_argument("--inner-fast", type=int, default=20, help="calls averaged per run for kvwire.open rows")
     ap.add_argument("--inner-probe", type=int, default=200, help="calls averaged per run for kvwire.probe")
     ap.add_argument("--tmpdir", default=None,
                     help="where files are written (default: a fresh dir under benchmarks/out/, same disk as the repo)")
     ap.add_argument("--results", default=str(HERE / "results"), help="directory for core.md / core.json")
-    ap.add_argument("--profile", choices=["save", "save_zstd", "load", "load_noverify", "load_torch", "open", "probe"],
+    ap.add_argument("--profile", choices=["save", "save_zstd", "load", "load_noverify", "load_torch", "open", "open_views", "probe"],
                     help="cProfile one kvwire operation (top 15 by own time) instead of benchmarking")
+    ap.add_argument("--malloc", choices=["fresh", "default"], default="fresh",
+                    help="fresh (default): re-exec with glibc's mmap threshold pinned at 128 KiB, so every large "
+                         "allocation gets new pages and every load pays its page faults, run after run; default: "
+                         "glibc's adaptive threshold (results depend on allocation history)")
     args = ap.parse_args(argv)
+    if args.malloc == "fresh" and MALLOC_TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
+        env = dict(os.environ)
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), MALLOC_TUNABLE]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
+                  env)
 
     base = Path(args.tmpdir) if args.tmpdir else HERE / "out"
     base.mkdir(parents=True, exist_ok=True)
     tmpdir = tempfile.mkdtemp(prefix="bench-core-", dir=base)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     try:
         if args.profile:
             profile(args, tmpdir, args.profile)
@@ -543,8 +696,17 @@ def main(argv=None):
         info = machine_info(tmpdir)
         if info["filesystem"].startswith("tmpfs"):
             print(f"warning: {tmpdir} is on tmpfs: save/load numbers will not reflect a disk", file=sys.stderr)
+        info["loadavg_start"], info["cpu_busy_before"] = loadavg(), cpu_busy()
+        if info["cpu_busy_before"] > 0.1:
+            print(f"warning: CPUs {info['cpu_busy_before']:.0%} busy before starting: another process is using "
+                  "them; numbers will be noisy (torch's thread pool suffers most)", file=sys.stderr)
         b = Bench(args, tmpdir)
+        snap0 = cpu_snapshot()
         rows = b.run()
+        info["loadavg_end"], info["cpu_other_during"] = loadavg(), other_cpu_share(snap0, cpu_snapshot())
+        if info["cpu_other_during"] > 0.05:
+            print(f"warning: other processes used {info['cpu_other_during']:.0%} of the CPUs during the run: "
+                  "numbers are contaminated, re-run on an idle machine", file=sys.stderr)
         cfg = {k: getattr(args, k) for k in ("layers", "heads", "head_dim", "tokens", "repeat", "seed",
                                              "inner_fast", "inner_probe")}
         tgts = targets(rows)
