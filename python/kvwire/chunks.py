@@ -55,6 +55,7 @@ class ChunkTable:
     start: np.ndarray  # [L]
     stop: np.ndarray  # [L]
     base: np.ndarray  # [L, NCOMP] slot of the component's first chunk
+    counts: np.ndarray  # [L, NCOMP] chunks of the component
     total: int  # chunks the header implies
 
     @classmethod
@@ -77,7 +78,7 @@ class ChunkTable:
         counts = np.where(heads > 0, cells[:, None], 0)
         flat = counts.reshape(-1)
         base = (np.cumsum(flat) - flat).reshape(n, NCOMP)
-        return cls(heads, dims, start, stop, base, int(flat.sum()))
+        return cls(heads, dims, start, stop, base, counts, int(flat.sum()))
 
     def slot(self, layer: int, component: int, token_start: int, chunk_tokens: int) -> int:
         return int(self.base[layer, component] + token_start // chunk_tokens - self.start[layer] // chunk_tokens)

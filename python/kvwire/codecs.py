@@ -15,22 +15,21 @@ from .errors import CodecError
 DEFAULT_ZSTD_LEVEL = 3
 
 
-def encode_body(codec: str, pieces, level: int = DEFAULT_ZSTD_LEVEL) -> list:
-    """Stored form of a body given as a list of buffers whose concatenation is the raw body."""
-    if codec == "raw":
-        return list(pieces)
-    if codec == "zstd":
-        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-        if len(pieces) == 1:
-            return [cctx.compress(pieces[0])]
-        size = sum(memoryview(p).nbytes for p in pieces)
-        chunker = cctx.chunker(size=size, chunk_size=1 << 20)
-        out = []
-        for p in pieces:
-            out.extend(chunker.compress(p))
-        out.extend(chunker.finish())
-        return [b"".join(out)]
-    raise ValueError(f"unknown codec {codec!r}")
+class BodyEncoder:
+    """Encodes bodies with one codec, reusing its compression context across chunks."""
+
+    def __init__(self, codec: str, level: int = DEFAULT_ZSTD_LEVEL):
+        if codec not in ("raw", "zstd"):
+            raise ValueError(f"unknown codec {codec!r}")
+        self.codec = codec
+        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False) \
+            if codec == "zstd" else None
+
+    def encode(self, pieces: list) -> list:
+        """Stored form of a body given as buffers whose concatenation is the raw body."""
+        if self._cctx is None:
+            return list(pieces)
+        return [self._cctx.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))]
 
 
 def decode_body(codec: str, stored, raw_length: int, out=None):

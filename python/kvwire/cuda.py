@@ -9,7 +9,6 @@ and sized to the largest chunk.
 
 from __future__ import annotations
 
-from . import registry as R
 from .cache import KVCache
 from .codecs import decode_body
 from .tensors import torch_dtype
@@ -34,21 +33,15 @@ def load_to_device(reader, device, *, verify: bool = True) -> KVCache:
             n = h.layer_tokens[i].count
             dst[i] = {c: torch.empty(spec.shape(c, n), dtype=dt, device=device) for c in spec.components}
         for j in range(len(recs)):
-            rec, stored = reader._stored(j, verify)
+            c, stored = reader._stored(j, verify)
             slot = j % 2
             if done[slot] is not None:
                 done[slot].synchronize()
-            raw_length = int(rec["raw_length"])
-            staging = ring[slot][:raw_length]
-            codec = R.CODEC_BY_CODE[int(rec["codec"])]
-            decode_body(codec, stored, raw_length, out=staging.numpy())
-            layer = int(rec["layer"])
-            comp = R.COMPONENT_BY_CODE[int(rec["component"])]
-            spec = h.arch.layers[layer]
-            n = int(rec["token_count"])
-            a = int(rec["token_start"]) - h.layer_tokens[layer].start
-            src = staging.view(dt).view(spec.shape(comp, n))
-            dst[layer][comp][:, a : a + n, :].copy_(src, non_blocking=True)
+            staging = ring[slot][: c.raw_length]
+            decode_body(c.codec, stored, c.raw_length, out=staging.numpy())
+            a = c.token_start - h.layer_tokens[c.layer].start
+            src = staging.view(dt).view(c.shape)
+            dst[c.layer][c.component][:, a : a + c.token_count, :].copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
             done[slot] = ev

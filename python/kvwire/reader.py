@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import mmap
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,19 @@ def probe(first_bytes) -> Header:
     are required when ``first_bytes`` is too short.
     """
     return _read_header(first_bytes)[0]
+
+
+class ChunkInfo(NamedTuple):
+    offset: int
+    stored_length: int
+    raw_length: int
+    checksum: int
+    layer: int
+    component: str
+    token_start: int
+    token_count: int
+    codec: str
+    shape: tuple
 
 
 class Reader:
@@ -94,6 +108,7 @@ class Reader:
             raise LimitError("DECODED_SIZE_LIMIT", f"container decodes to {decoded} bytes, limit {max_decoded_bytes}",
                              rule="KVW-LIM-5")
         self._frame_checked = np.zeros(len(self.records), bool) if self.form == "file" else None
+        self._infos: list[ChunkInfo] | None = None
 
     def _walk_frames(self):
         """Stream form: hop from frame to frame (never reading bodies) to the end frame."""
@@ -126,61 +141,66 @@ class Reader:
         return len(self.records)
 
     def num_chunks(self, layer: int, component: str) -> int:
-        c = R.COMPONENTS[component]
-        t = self._table
-        flat = t.base.reshape(-1)
-        i = layer * t.base.shape[1] + c
-        nxt = flat[i + 1] if i + 1 < len(flat) else t.total
-        return int(nxt - flat[i]) if t.heads[layer, c] else 0
+        """How many chunks (layer, component) has; 0 when the layer does not store it."""
+        return int(self._table.counts[layer, R.COMPONENTS[component]])
+
+    def _index(self, layer: int, component: str, index: int) -> int:
+        n = self.num_chunks(layer, component)
+        if not 0 <= index < n:
+            raise IndexError(f"layer {layer} {component} has {n} chunks, no chunk {index}")
+        return int(self._lookup[self._table.base[layer, R.COMPONENTS[component]] + index])
 
     def record(self, layer: int, component: str, index: int = 0) -> np.void:
         """The chunk record of the ``index``-th chunk of (layer, component), in token order."""
-        if not 0 <= index < self.num_chunks(layer, component):
-            raise IndexError(f"layer {layer} {component} has {self.num_chunks(layer, component)} chunks")
-        return self.records[self._lookup[self._table.base[layer, R.COMPONENTS[component]] + index]]
+        return self.records[self._index(layer, component, index)]
 
     def chunk(self, layer: int, component: str = "k", index: int = 0, *, verify: bool = True,
               backend: str = "numpy"):
         """Chunk tensor [heads, tokens, head_dim]; a view into the buffer for raw chunks."""
-        i = int(self._lookup[self._table.base[layer, R.COMPONENTS[component]] + index]) \
-            if 0 <= index < self.num_chunks(layer, component) else None
-        if i is None:
-            raise IndexError(f"layer {layer} {component} has {self.num_chunks(layer, component)} chunks")
-        return self._decode(i, verify, backend)
+        return self._decode(self._index(layer, component, index), verify, backend)
 
     def iter_chunks(self, *, verify: bool = True, backend: str = "numpy"):
         """(layer, component, token_start, tensor) in container order."""
-        for i, rec in enumerate(self.records):
-            yield (int(rec["layer"]), R.COMPONENT_BY_CODE[int(rec["component"])], int(rec["token_start"]),
-                   self._decode(i, verify, backend))
+        for i in range(len(self.records)):
+            c = self._info(i)
+            yield c.layer, c.component, c.token_start, self._decode(i, verify, backend)
+
+    def _info(self, i: int) -> "ChunkInfo":
+        """Record ``i`` as plain Python values (built for all records on first use: numpy
+        scalar access per field would cost more than a small chunk's copy)."""
+        if self._infos is None:
+            r, layers = self.records, self.header.arch.layers
+            cols = [r[f].tolist() for f in ("offset", "stored_length", "raw_length", "checksum", "layer",
+                                            "component", "token_start", "token_count", "codec")]
+            self._infos = [
+                ChunkInfo(off, sl, rl, cs, ly, R.COMPONENT_BY_CODE[cp], ts, tc, R.CODEC_BY_CODE[cd],
+                          layers[ly].shape(R.COMPONENT_BY_CODE[cp], tc))
+                for off, sl, rl, cs, ly, cp, ts, tc, cd in zip(*cols)]
+        return self._infos[i]
 
     def _stored(self, i: int, verify: bool):
-        rec = self.records[i]
-        off, length = int(rec["offset"]), int(rec["stored_length"])
-        stored = memoryview(self._buf)[off : off + length]
+        c = self._info(i)
+        stored = memoryview(self._buf)[c.offset : c.offset + c.stored_length]
         if self._frame_checked is not None and not self._frame_checked[i]:
-            marker, body = parse_frame(self._buf, off - FRAME_SIZE)
+            marker, body = parse_frame(self._buf, c.offset - FRAME_SIZE)
             if marker != CHUNK_MARKER or body != self.records[i : i + 1].tobytes():
                 raise LayoutError("INDEX_MISMATCH", f"frame before body {i} disagrees with the index record",
                                   rule="KVW-FILE-4")
             self._frame_checked[i] = True
-        if verify and xxh3(stored) != int(rec["checksum"]):
-            raise ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {int(rec['layer'])}) body checksum mismatch",
+        if verify and xxh3(stored) != c.checksum:
+            raise ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {c.layer}) body checksum mismatch",
                                 rule="KVW-CSUM-1")
-        return rec, stored
+        return c, stored
 
     def _decode(self, i: int, verify: bool, backend: str):
-        rec, stored = self._stored(i, verify)
-        spec = self.header.arch.layers[int(rec["layer"])]
-        shape = spec.shape(R.COMPONENT_BY_CODE[int(rec["component"])], int(rec["token_count"]))
-        codec = R.CODEC_BY_CODE[int(rec["codec"])]
-        if codec == "raw":
+        c, stored = self._stored(i, verify)
+        if c.codec == "raw":
             if backend == "torch" and self._readonly:
                 # torch has no read-only tensors: a view of bytes would let callers write into them
-                return view(bytearray(stored), 0, self.header.dtype, shape, backend)
-            return view(self._buf, int(rec["offset"]), self.header.dtype, shape, backend)
-        data = decode_body(codec, stored, int(rec["raw_length"]))
-        return view(bytearray(data) if backend == "torch" else data, 0, self.header.dtype, shape, backend)
+                return view(bytearray(stored), 0, self.header.dtype, c.shape, backend)
+            return view(self._buf, c.offset, self.header.dtype, c.shape, backend)
+        data = decode_body(c.codec, stored, c.raw_length)
+        return view(bytearray(data) if backend == "torch" else data, 0, self.header.dtype, c.shape, backend)
 
     # -- whole layers ------------------------------------------------------------------
 
@@ -191,9 +211,8 @@ class Reader:
         for comp in spec.components:
             dst = empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
             for j in range(self.num_chunks(layer, comp)):
-                i = int(self._lookup[self._table.base[layer, R.COMPONENTS[comp]] + j])
-                rec = self.records[i]
-                a = int(rec["token_start"]) - r.start
+                i = self._index(layer, comp, j)
+                a = self._info(i).token_start - r.start
                 src = self._decode(i, verify, "numpy" if backend == "numpy" else "torch")
                 if backend == "numpy":  # copy through integer views: memcpy speed for bf16/fp8 too
                     as_uint(dst)[:, a : a + src.shape[1], :] = as_uint(src)
@@ -216,14 +235,12 @@ class Reader:
         """Check every byte: frames, padding, checksums, and decode every body."""
         buf, a = self._buf, self.header.alignment
         end = PREAMBLE_SIZE + self._header_length
-        for i, rec in enumerate(self.records):
-            frame_at = int(rec["offset"]) - FRAME_SIZE
-            check_zero(buf, end, frame_at)
-            _, stored = self._stored(i, True)  # file form: also compares the frame with the index
-            codec = R.CODEC_BY_CODE[int(rec["codec"])]
-            if codec != "raw":
-                decode_body(codec, stored, int(rec["raw_length"]))
-            end = int(rec["offset"]) + int(rec["stored_length"])
+        for i in range(len(self.records)):
+            c, stored = self._stored(i, True)  # file form: also compares the frame with the index
+            check_zero(buf, end, c.offset - FRAME_SIZE)
+            if c.codec != "raw":
+                decode_body(c.codec, stored, c.raw_length)
+            end = c.offset + c.stored_length
         check_zero(buf, end, next_frame_offset(end, a))
 
     # -- lifetime ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ buffer protocol.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -76,7 +77,7 @@ def byte_view(a: np.ndarray) -> np.ndarray:
 
 def view(buffer, offset: int, dtype: str, shape: tuple, backend: str):
     """Zero-copy array over ``buffer[offset:]``; shares memory with the buffer."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if backend == "numpy":
         return np.frombuffer(buffer, R.DTYPES[dtype][2], count, offset).reshape(shape)
     if backend == "torch":

@@ -20,7 +20,7 @@ import xxhash
 from . import registry as R
 from .cache import KVCache
 from .chunks import ChunkTable, on_grid, planned_chunks
-from .codecs import DEFAULT_ZSTD_LEVEL, encode_body
+from .codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder
 from .container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
@@ -39,7 +39,8 @@ class Encoder:
         if codec not in R.CODECS:
             raise ValueError(f"codec must be one of {sorted(R.CODECS)}, not {codec!r}")
         self.header = header
-        self.codec, self.level = codec, level
+        self.codec = codec
+        self._bodies = BodyEncoder(codec, level)
         self._header_bytes = build_header(header)  # runs check_header
         self._table = ChunkTable.of(header)
         self._filled = np.zeros(self._table.total, bool)
@@ -84,7 +85,7 @@ class Encoder:
         raw_length = sum(p.nbytes for p in pieces)
         codec, stored = self.codec, pieces
         if codec != "raw":
-            stored = encode_body(codec, pieces, self.level)
+            stored = self._bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
         hasher = xxhash.xxh3_64()
