@@ -35,7 +35,7 @@ INDEX_IDENTIFIER = b"KVWI"
 _PREAMBLE = struct.Struct("<8sHHIQII")  # magic, major, minor, header_length, header_checksum, reserved, check
 _FRAME_HEAD = struct.Struct("<4sI")  # marker, frame_check
 _END = struct.Struct("<QQ40x")  # chunk_count, records_digest, reserved
-_TRAILER = struct.Struct("<QII Q8s".replace(" ", ""))  # index_offset, index_length, reserved, index_checksum, magic
+_TRAILER = struct.Struct("<QIIQ8s")  # index_offset, index_length, reserved, index_checksum, magic
 
 # ChunkRecord (FlatBuffers struct, 56 bytes) as a numpy structured dtype: the index and
 # every frame are read through this view, never field by field.
@@ -197,20 +197,26 @@ def has_trailer(buf) -> bool:
     return len(buf) >= PREAMBLE_SIZE + TRAILER_SIZE and bytes(buf[-8:]) == TRAILER_MAGIC
 
 
-def parse_trailer(buf) -> tuple[int, bytes]:
-    """(index_offset, index bytes) of a file-form container (KVW-FILE-1..4)."""
+def parse_trailer(buf, base: int = 0) -> tuple[int, bytes]:
+    """(index_offset, index bytes) of a file-form container (KVW-FILE-1..3).
+
+    ``buf`` ends with the trailer and holds the container from offset ``base`` on: the
+    whole container for a random-access reader, only what follows the end frame for a
+    sequential one.
+    """
     n = len(buf)
     index_offset, index_length, reserved, index_sum, _ = _TRAILER.unpack(bytes(buf[n - TRAILER_SIZE :]))
     if reserved:
         raise LayoutError("RESERVED_NONZERO", "trailer reserved field is not zero", rule="KVW-FILE-1")
     if index_length > L.MAX_INDEX_LENGTH:
         raise LimitError("INDEX_TOO_LARGE", f"index length {index_length} exceeds {L.MAX_INDEX_LENGTH}", rule="KVW-FILE-2")
-    if align_up(index_offset + index_length, 8) + TRAILER_SIZE != n or index_offset < PREAMBLE_SIZE + FRAME_SIZE:
+    start = index_offset - base
+    if align_up(index_offset + index_length, 8) + TRAILER_SIZE != base + n or start < 0 \
+            or index_offset < PREAMBLE_SIZE + FRAME_SIZE:
         raise LayoutError("INDEX_POSITION", f"index at {index_offset}+{index_length} does not end at the trailer",
                           rule="KVW-FILE-2")
-    index = bytes(buf[index_offset : index_offset + index_length])
+    index = bytes(buf[start : start + index_length])
     if xxh3(index) != index_sum:
         raise ChecksumError("INDEX_CHECKSUM", "index bytes do not match the trailer's checksum", rule="KVW-FILE-3")
-    check_zero(buf, index_offset + index_length, n - TRAILER_SIZE)
+    check_zero(buf, start + index_length, n - TRAILER_SIZE)
     return index_offset, index
-

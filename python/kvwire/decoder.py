@@ -21,8 +21,8 @@ from . import registry as R
 from .chunks import ChunkTable, check_record_fields
 from .codecs import decode_body
 from .container import (
-    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, align_up, check_zero,
-    next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, xxh3,
+    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
+    next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer, xxh3,
 )
 from .errors import ChecksumError, LayoutError, LimitError, TruncatedError
 from .header import Header, parse_header
@@ -222,16 +222,9 @@ class StreamDecoder:
             return "stream"
         if len(tail) < TRAILER_SIZE or tail[-8:] != TRAILER_MAGIC:
             raise LayoutError("TRAILING_BYTES", f"{len(tail)} bytes after the end frame", rule="KVW-LAYOUT-4")
-        index_offset, index_length, reserved, index_sum = struct.unpack_from("<QIIQ", tail, len(tail) - TRAILER_SIZE)
-        if reserved:
-            raise LayoutError("RESERVED_NONZERO", "trailer reserved field is not zero", rule="KVW-FILE-1")
-        if index_offset != self._end_at or align_up(index_length, 8) + TRAILER_SIZE != len(tail):
-            raise LayoutError("INDEX_POSITION", "index does not start at the end frame's end and end at the trailer",
-                              rule="KVW-FILE-2")
-        index = tail[:index_length]
-        if xxh3(index) != index_sum:
-            raise ChecksumError("INDEX_CHECKSUM", "index bytes do not match the trailer's checksum", rule="KVW-FILE-3")
-        check_zero(tail, index_length, len(tail) - TRAILER_SIZE)
+        index_offset, index = parse_trailer(tail, self._end_at)
+        if index_offset != self._end_at:
+            raise LayoutError("INDEX_POSITION", "index does not start where the end frame ends", rule="KVW-FILE-2")
         if parse_index(index).tobytes() != bytes(self._records):
             raise LayoutError("INDEX_MISMATCH", "index records differ from the chunk frames", rule="KVW-FILE-4")
         return "file"
