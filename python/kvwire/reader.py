@@ -27,7 +27,7 @@ from .container import (
 from .errors import ChecksumError, LayoutError, LimitError, TruncatedError, VersionError
 from .header import Header, parse_header
 from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
-from .tensors import as_uint, empty, view
+from .tensors import as_numpy, as_uint, carve, empty, is_torch, view
 
 
 def _check_version(header: Header, minor: int) -> None:
@@ -204,30 +204,47 @@ class Reader:
 
     # -- whole layers ------------------------------------------------------------------
 
-    def layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None) -> dict:
-        """{component: tensor [heads, layer tokens, head_dim]}, assembled with one copy."""
+    def layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None,
+              out: dict | None = None) -> dict:
+        """{component: tensor [heads, layer tokens, head_dim]}, assembled with one copy.
+
+        ``out`` supplies the destination tensors (e.g. an engine's preallocated buffers);
+        otherwise they are allocated.
+        """
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
-        out = {}
+        if out is None:
+            out = {comp: empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
+                   for comp in spec.components}
         for comp in spec.components:
-            dst = empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
+            dst = out[comp]
+            if tuple(dst.shape) != spec.shape(comp, r.count):
+                raise ValueError(f"out[{comp!r}] has shape {tuple(dst.shape)}, layer {layer} needs "
+                                 f"{spec.shape(comp, r.count)}")
+            on_host = not is_torch(dst) or dst.device.type == "cpu"
+            host = as_numpy(dst) if on_host else None
             for j in range(self.num_chunks(layer, comp)):
                 i = self._index(layer, comp, j)
                 a = self._info(i).token_start - r.start
-                src = self._decode(i, verify, "numpy" if backend == "numpy" else "torch")
-                if backend == "numpy":  # copy through integer views: memcpy speed for bf16/fp8 too
-                    as_uint(dst)[:, a : a + src.shape[1], :] = as_uint(src)
+                if on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
+                    src = self._decode(i, verify, "numpy")
+                    as_uint(host)[:, a : a + src.shape[1], :] = as_uint(src)
                 else:
+                    src = self._decode(i, verify, "torch")
                     dst[:, a : a + src.shape[1], :].copy_(src)
-            out[comp] = dst
         return out
 
     def load(self, *, verify: bool = True, backend: str = "numpy", device=None) -> KVCache:
+        """The whole cache in memory of its own (one allocation, carved into per-layer tensors)."""
         if device is not None and str(device).startswith("cuda"):
             from .cuda import load_to_device
 
             return load_to_device(self, device, verify=verify)
-        return KVCache(self.header, [self.layer(i, verify=verify, backend=backend, device=device)
-                                     for i in range(self.header.num_layers)])
+        h = self.header
+        shapes = [{c: s.shape(c, r.count) for c in s.components} for s, r in zip(h.arch.layers, h.layer_tokens)]
+        slabs = carve([shape for layer in shapes for shape in layer.values()], h.dtype, backend, device)
+        it = iter(slabs)
+        return KVCache(h, [self.layer(i, verify=verify, backend=backend, out={c: next(it) for c in shapes[i]})
+                           for i in range(h.num_layers)])
 
     # -- full validation ---------------------------------------------------------------
 
