@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench schemas clean
+.PHONY: demo test bench schemas clean fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
+# The long campaign: atheris for FUZZ_SECONDS, then the hypothesis state machine; findings go to
+# conformance/fuzz/findings/ (conformance/README.md, "Fuzzing").
+FUZZ_SECONDS ?= 600
+fuzz: $(STAMP)
+	$(PY) conformance/fuzz/campaign.py --seconds $(FUZZ_SECONDS) --json conformance/fuzz/findings/last-campaign.json
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py

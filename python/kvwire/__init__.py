@@ -7,6 +7,7 @@ First screen of the API::
     kvwire.open(path_or_bytes)          # Reader: header + zero-copy chunk views
     kvwire.probe(first_bytes)           # the header alone, from the first bytes
     kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
+    kvwire.layouts.bind(name, buffers)  # engine buffers (vLLM, SGLang, LMCache...) <-> chunks
 
 The package uses relative imports only and keeps no global state, so it can be
 vendored under another name.
@@ -18,14 +19,19 @@ from .errors import (
     ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
     SchemaError, TruncatedError, VersionError,
 )
-from .header import Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange
+from . import layouts
+from .header import (
+    Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
+)
 from .reader import Reader, load, open, probe
 from .version import __version__
 from .writer import Encoder, encode, iter_buffers, save
+from . import stream
 
 __all__ = [
-    "Architecture", "ChecksumError", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "FeatureError", "FormatError", "Header",
+    "Architecture", "ChecksumError", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",
+    "FormatError", "Header",
     "HeaderError", "KVCache", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "TokenRange", "TruncatedError",
-    "VersionError", "__version__", "encode", "iter_buffers", "load", "open", "probe", "save",
+    "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "probe", "save", "stream",
 ]

@@ -1,4 +1,4 @@
-"""The ``kvwire`` command: inspect, validate, synth, demo."""
+"""The ``kvwire`` command: inspect, validate, synth, demo, conformance."""
 
 from __future__ import annotations
 
@@ -142,6 +142,10 @@ def main(argv=None) -> int:
     s.add_argument("--layers", type=int, default=32)
     s.add_argument("--tokens", type=int, default=2048)
     s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("conformance", help="conformance kit: run the gold vectors against an implementation")
+    from .conformance.cli import configure as configure_conformance
+
+    configure_conformance(s)
     args = p.parse_args(argv)
     try:
         return args.func(args)

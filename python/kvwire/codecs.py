@@ -48,6 +48,12 @@ def decode_body(codec: str, stored, raw_length: int, out=None):
         raise CodecError("DECODED_SIZE_MISMATCH", f"zstd frame declares {declared} bytes, record says {raw_length}",
                          rule="KVW-CODEC-2")
     try:
+        dict_id = zstandard.get_frame_parameters(stored).dict_id
+    except zstandard.ZstdError as exc:
+        raise CodecError("DECODE_FAILED", f"zstd frame header invalid: {exc}", rule="KVW-CODEC-2") from None
+    if dict_id:
+        raise CodecError("DECODE_FAILED", f"zstd frame needs dictionary {dict_id}", rule="KVW-CODEC-3")
+    try:
         data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError("DECODE_FAILED", f"zstd: {exc}", rule="KVW-CODEC-2") from None

@@ -7,18 +7,36 @@ layer 0 can be used while later layers are still in flight. ``close`` is called 
 of input: it rejects a stream cut short and checks a file-form tail (index + trailer)
 if one follows the end frame. Every check of the whole-buffer ``Reader`` applies, in
 the order the bytes arrive.
+
+Two input styles, one per decoder:
+
+* ``feed(data)``: the transport reads into its own buffer and hands the bytes over; the
+  decoder copies them into an internal bytearray (and each body out of it once).
+* ``read_targets()`` / ``filled(n)``: the decoder names the writable buffers the next
+  bytes must go to, exactly as many bytes as it needs next and never more, and the
+  transport fills them with ``recv_into``, ``recvmsg_into`` or ``os.readv``. Bodies land
+  in place: with ``placement``, a raw body goes straight into the caller's
+  preallocated tensor (one kernel copy, no user-space copy); without it, into a buffer
+  that the event owns. Because the decoder never asks for bytes past the end frame, a
+  transport can read back-to-back containers (KVW-STREAM-3) without over-reading.
+
+``stop_at_end=True`` makes the end frame final: nothing after it is parsed as a
+file-form tail, and bytes fed after it are kept in ``unused_data`` (the start of the
+next container).
 """
 
 from __future__ import annotations
 
 import struct
+from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
 from . import registry as R
-from .chunks import ChunkTable, check_record_fields
+from .chunks import NCOMP, ChunkTable, check_record_fields, on_grid
 from .codecs import decode_body
 from .container import (
     END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
@@ -28,7 +46,15 @@ from .errors import ChecksumError, LayoutError, LimitError, TruncatedError
 from .header import Header, parse_header
 from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
 from .reader import _check_version
-from .tensors import view
+from .tensors import as_numpy, as_uint, view
+
+# ChunkRecord fields in RECORD_DTYPE order: offset, stored_length, raw_length, checksum, token_start,
+# token_count, layer, component, codec, flags, head_start, head_count, reserved0, reserved1
+RECORD_STRUCT = struct.Struct("<QQQQIIHBBHHHHI")
+assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize
+_OFFSET, _STORED, _RAW, _CHECKSUM, _T0, _COUNT, _LAYER, _COMP, _CODEC = range(9)
+IOV_MAX = 1024  # most buffers one readv / recvmsg_into call accepts on Linux
+TAIL_READ = 64 << 10  # read size after the end frame while looking for a file-form tail
 
 
 @dataclass(frozen=True)
@@ -41,7 +67,24 @@ class ChunkEvent:
     layer: int
     component: str
     token_start: int
-    data: object  # [heads, tokens, head_dim], owned by the event
+    data: object  # [heads, tokens, head_dim], owned by the event (or the caller's placement)
+
+
+class Placed(NamedTuple):
+    """A placement with its byte buffers: ``pieces`` are writable byte memoryviews whose
+    concatenation, in order, is where the chunk's raw bytes go (e.g. one per head of a
+    token slice of a [heads, T, dim] tensor); ``data`` is what the ``ChunkEvent`` carries."""
+
+    data: object
+    pieces: list
+
+
+def _head_pieces(x) -> list:
+    """Writable byte views of an array whose heads each have contiguous rows."""
+    u = as_uint(as_numpy(x))
+    if u.flags.c_contiguous:
+        return [memoryview(u).cast("B")]
+    return [memoryview(u[i]).cast("B") for i in range(u.shape[0])]
 
 
 @dataclass(frozen=True)
@@ -50,11 +93,28 @@ class EndEvent:
 
 
 class StreamDecoder:
-    """Feed bytes, take events. One decoder per container."""
+    """Feed bytes (or fill its read targets), take events. One decoder per container.
+
+    ``placement(layer, component, token_start, token_count)`` may return the array or
+    CPU tensor ``[heads, token_count, dim]`` (each head's rows contiguous, as in a token
+    slice of a ``[heads, T, dim]`` layer tensor) that the chunk's raw bytes are written
+    to; its ``ChunkEvent.data`` is then that object. It may instead return
+    ``Placed(data, pieces)`` with the byte buffers precomputed (checked only for their
+    total length). Returning None leaves the chunk to the decoder. A placed raw body is
+    verified where it landed, before its event (KVW-STREAM-2).
+    """
 
     def __init__(self, *, verify: bool = True, backend: str = "numpy",
-                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, placement=None, stop_at_end: bool = False):
         self.verify, self.backend, self.max_decoded_bytes = verify, backend, max_decoded_bytes
+        self.placement, self.stop_at_end = placement, stop_at_end
+        self._mode = None  # "feed" or "into", fixed by the first input call
+        self._pending: deque = deque()  # events completed by read_targets(), not yet taken
+        self._scratch = bytearray()  # structural bytes (preamble, header, frames) in "into" mode
+        self._dst = None  # placement target of the current body
+        self._dst_pieces: list | None = None  # its byte buffers
+        self._pieces: list | None = None  # where the current body is received ("into" mode)
+        self._got = 0  # body bytes received into _pieces
         self.header: Header | None = None
         self._buf = bytearray()
         self._base = 0  # absolute offset of _buf[0]
@@ -62,8 +122,9 @@ class StreamDecoder:
         self._state = "preamble"
         self._hlen = self._hsum = 0
         self._table: ChunkTable | None = None
-        self._filled: np.ndarray | None = None
-        self._rec: np.ndarray | None = None
+        self._filled: bytearray | None = None  # one byte per slot: chunk seen
+        self._rec: tuple | None = None  # fields of the current record (RECORD_STRUCT order)
+        self._geom: tuple | None = None  # ChunkTable columns as lists, for _fast_slot
         self._records = bytearray()
         self._digest = xxhash.xxh3_64()
         self._decoded = 0
@@ -72,12 +133,105 @@ class StreamDecoder:
     # -- input -------------------------------------------------------------------------
 
     def feed(self, data) -> None:
+        self._set_mode("feed")
+        self._append(data)
+
+    def _append(self, data) -> None:
         if self._state == "closed":
-            raise RuntimeError("feed() after close()")
+            raise RuntimeError("input after close()")
         self._buf += data
         if self._state == "tail" and len(self._buf) > MAX_INDEX_LENGTH + 8 + TRAILER_SIZE:
             raise LayoutError("TRAILING_BYTES", "more bytes after the end frame than an index and trailer",
                               rule="KVW-LAYOUT-4")
+
+    def _set_mode(self, mode: str) -> None:
+        if self._mode != mode:
+            if self._mode is not None:
+                raise RuntimeError(f"this decoder takes input by {self._mode}; do not mix input styles")
+            self._mode = mode
+
+    def read_targets(self) -> list:
+        """Writable buffers that the next input bytes must fill, in order (at most IOV_MAX).
+
+        Their total is what the decoder needs next, never more; an empty list means the
+        container is complete (``stop_at_end``) or closed. After a transport call wrote
+        ``n`` bytes into them, call ``filled(n)``, then take ``events()``.
+        """
+        self._set_mode("into")
+        while True:
+            if self._state in ("done", "closed"):
+                return []
+            if self._state == "tail":
+                if len(self._scratch) < TAIL_READ:
+                    self._scratch = bytearray(TAIL_READ)
+                return [memoryview(self._scratch)]
+            if self._state == "body" and self._pieces is not None:
+                targets = self._remaining_pieces()
+                if len(targets) < IOV_MAX:  # read ahead: padding and the next frame always follow a body
+                    end = self._rec[_OFFSET] + self._rec[_STORED]
+                    ahead = next_frame_offset(end, self.header.alignment) + FRAME_SIZE - end
+                    if len(self._scratch) < ahead:
+                        self._scratch = bytearray(ahead)
+                    targets.append(memoryview(self._scratch)[:ahead])
+                return targets
+            need = self._needed() - self.received
+            if need > 0:
+                if len(self._scratch) < need:
+                    self._scratch = bytearray(need)
+                return [memoryview(self._scratch)[:need]]
+            ev = self._advance()  # the bytes for the current step are here: advance
+            if ev is not None:
+                self._pending.append(ev)
+
+    def filled(self, nbytes: int) -> None:
+        """``nbytes`` were written into the buffers of the last ``read_targets()``."""
+        if self._mode != "into":
+            raise RuntimeError("filled() without read_targets()")
+        if nbytes < 0:
+            raise ValueError("negative byte count")
+        if self._state == "body" and self._pieces is not None:
+            body = min(nbytes, self._rec[_STORED] - self._got)
+            self._got += body
+            self._base += body  # body bytes bypass _buf, which is empty here
+            nbytes -= body  # the rest went to the read-ahead at the start of the scratch buffer
+        if nbytes:
+            self._append(memoryview(self._scratch)[:nbytes])
+
+    def _needed(self) -> int:
+        """Absolute offset up to which the current step needs input."""
+        if self._state == "preamble":
+            return PREAMBLE_SIZE
+        if self._state == "header":
+            return PREAMBLE_SIZE + self._hlen
+        if self._state == "frame":
+            return next_frame_offset(self._pos, self.header.alignment) + FRAME_SIZE
+        if self._state == "body":
+            return self._rec[_OFFSET] + self._rec[_STORED]
+        raise AssertionError(self._state)
+
+    def _remaining_pieces(self) -> list:
+        if not self._got and len(self._pieces) < IOV_MAX:
+            return list(self._pieces)
+        out, skip = [], self._got
+        for p in self._pieces:
+            if skip >= p.nbytes:
+                skip -= p.nbytes
+                continue
+            out.append(p[skip:])
+            skip = 0
+            if len(out) == IOV_MAX:
+                break
+        return out
+
+    @property
+    def done(self) -> bool:
+        """The end frame has been verified."""
+        return self._state in ("tail", "done") or (self._state == "closed" and self._end_at > 0)
+
+    @property
+    def unused_data(self) -> bytes:
+        """With ``stop_at_end``: bytes fed after the end frame (the next container's start)."""
+        return bytes(self._buf) if self._state == "done" else b""
 
     @property
     def received(self) -> int:
@@ -98,6 +252,11 @@ class StreamDecoder:
 
     def next_event(self):
         """The next complete event, or None until more bytes are fed."""
+        if self._pending:
+            return self._pending.popleft()
+        return self._advance()
+
+    def _advance(self):
         step = getattr(self, "_step_" + self._state, None)
         while step is not None:
             result = step()
@@ -139,7 +298,9 @@ class StreamDecoder:
         self._table = ChunkTable.of(self.header)
         if self._table.total > MAX_CHUNKS:
             raise LimitError("LIMIT_EXCEEDED", f"header implies {self._table.total} chunks", rule="KVW-LIM-1")
-        self._filled = np.zeros(self._table.total, bool)
+        self._filled = bytearray(self._table.total)
+        t = self._table
+        self._geom = (t.heads.tolist(), t.dims.tolist(), t.start.tolist(), t.stop.tolist(), t.base.tolist())
         self._consume(end)
         self._pos = end
         self._state = "frame"
@@ -149,25 +310,28 @@ class StreamDecoder:
         frame_at = next_frame_offset(self._pos, self.header.alignment)
         if not self._have(frame_at + FRAME_SIZE):
             return None
-        check_zero(self._buf, self._pos - self._base, frame_at - self._base)
+        if frame_at > self._pos:
+            check_zero(self._buf, self._pos - self._base, frame_at - self._base)
         marker, body = parse_frame(self._bytes(frame_at, frame_at + FRAME_SIZE), 0)
         if marker == END_MARKER:
             self._end(body)
             self._consume(frame_at + FRAME_SIZE)
             self._end_at = frame_at + FRAME_SIZE
-            self._state = "tail"
+            self._state = "done" if self.stop_at_end else "tail"
             return EndEvent(len(self._records) // 56)
-        rec = np.frombuffer(body, RECORD_DTYPE, 1)
+        rec = RECORD_STRUCT.unpack(body)
         if len(self._records) // 56 >= MAX_CHUNKS:
             raise LimitError("LIMIT_EXCEEDED", f"more than {MAX_CHUNKS} chunk frames", rule="KVW-LIM-1")
-        if int(rec["offset"][0]) != frame_at + FRAME_SIZE:
-            raise LayoutError("BAD_OFFSET", f"frame at {frame_at} records body offset {int(rec['offset'][0])}, "
+        if rec[_OFFSET] != frame_at + FRAME_SIZE:
+            raise LayoutError("BAD_OFFSET", f"frame at {frame_at} records body offset {rec[_OFFSET]}, "
                               f"expected {frame_at + FRAME_SIZE}", rule="KVW-LAYOUT-1")
-        slot = int(check_record_fields(self.header, self._table, rec)[0])
+        slot = self._fast_slot(rec)
+        if slot is None:  # the authoritative check names the rule (or accepts an unusual valid record)
+            slot = int(check_record_fields(self.header, self._table, np.frombuffer(body, RECORD_DTYPE, 1))[0])
         if self._filled[slot]:
             raise LayoutError("CHUNK_DUPLICATE", "two records describe the same chunk", rule="KVW-CHUNK-8")
-        self._filled[slot] = True
-        self._decoded += int(rec["raw_length"][0])
+        self._filled[slot] = 1
+        self._decoded += rec[_RAW]
         if self._decoded > self.max_decoded_bytes:
             raise LimitError("DECODED_SIZE_LIMIT", f"stream decodes to more than {self.max_decoded_bytes} bytes",
                              rule="KVW-LIM-5")
@@ -177,25 +341,103 @@ class StreamDecoder:
         self._consume(frame_at + FRAME_SIZE)
         self._pos = frame_at + FRAME_SIZE
         self._state = "body"
+        self._dst, self._dst_pieces = self._place(rec)
+        if self._mode == "into":
+            if self._dst is not None and rec[_CODEC] == 0:  # raw: straight into place
+                if self._dst_pieces is None:
+                    self._dst_pieces = _head_pieces(self._dst)
+                self._pieces = self._dst_pieces
+            else:
+                self._pieces = [memoryview(bytearray(rec[_STORED]))]  # owned by the event (raw) or decoded (zstd)
+            self._got = 0
         return False
+
+    def _fast_slot(self, rec: tuple) -> int | None:
+        """The slot of a record that plainly meets KVW-CHUNK-1..7 (flags 0, all heads,
+        canonical lengths), without numpy; None for anything else, which then goes to
+        ``check_record_fields``. Accepts only what that check accepts (tested)."""
+        (_, stored, raw, _, t0, n, layer, comp, codec, flags, head_start, head_count, r0, r1) = rec
+        if layer >= self.header.num_layers or comp >= NCOMP or flags or r0 or r1 or head_start \
+                or codec >= len(R.CODECS) or stored == 0:
+            return None
+        heads, dims, start, stop, base = self._geom
+        h = heads[layer][comp]
+        if h == 0 or head_count != h:
+            return None
+        C, lo = self.header.chunk_tokens, start[layer]
+        if not on_grid(t0, n, C, lo, stop[layer]) or raw != h * n * dims[layer][comp] * self.header.itemsize:
+            return None
+        if codec == R.CODECS["raw"] and stored != raw:
+            return None
+        return base[layer][comp] + t0 // C - lo // C
+
+    def _place(self, rec) -> tuple:
+        """(data, pieces or None) of the placement for this record, or (None, None)."""
+        if self.placement is None:
+            return None, None
+        layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
+        t0, n = rec[_T0], rec[_COUNT]
+        dst = self.placement(layer, comp, t0, n)
+        if dst is None:
+            return None, None
+        if isinstance(dst, Placed):
+            if sum(p.nbytes for p in dst.pieces) != rec[_RAW]:
+                raise ValueError(f"placement pieces for layer {layer} {comp} tokens {t0}+{n} do not hold "
+                                 f"{rec[_RAW]} bytes")
+            return dst.data, list(dst.pieces)
+        x = as_numpy(dst)
+        shape = self.header.arch.layers[layer].shape(comp, n)
+        if tuple(x.shape) != shape or x.dtype != R.DTYPES[self.header.dtype][2]:
+            raise ValueError(f"placement for layer {layer} {comp} tokens {t0}+{n}: {tuple(x.shape)} {x.dtype}, "
+                             f"need {shape} {self.header.dtype}")
+        if not x.flags.writeable or (x.shape[0] and not x[0].flags.c_contiguous):  # heads share strides
+            raise ValueError("placement arrays must be writable with each head's rows contiguous")
+        return dst, None
 
     def _step_body(self):
         rec = self._rec
-        off, length = int(rec["offset"][0]), int(rec["stored_length"][0])
+        off, length = rec[_OFFSET], rec[_STORED]
         if not self._have(off + length):
             return None
-        stored = self._buf[off - self._base : off + length - self._base]  # the one copy out of the stream buffer
-        if self.verify and xxh3(stored) != int(rec["checksum"][0]):
-            raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
-        layer, comp = int(rec["layer"][0]), R.COMPONENT_BY_CODE[int(rec["component"][0])]
-        codec = R.CODEC_BY_CODE[int(rec["codec"][0])]
-        raw = stored if codec == "raw" else bytearray(decode_body(codec, stored, int(rec["raw_length"][0])))
-        shape = self.header.arch.layers[layer].shape(comp, int(rec["token_count"][0]))
-        data = view(raw, 0, self.header.dtype, shape, self.backend)
+        layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
+        codec = R.CODEC_BY_CODE[rec[_CODEC]]
+        shape = self.header.arch.layers[layer].shape(comp, rec[_COUNT])
+        dst, pieces = self._dst, self._pieces
+        if pieces is not None:  # received in place ("into" mode)
+            stored = pieces[0] if len(pieces) == 1 else None
+        elif dst is not None:  # feed mode into a placement: verify in the stream buffer, copy once
+            stored = memoryview(self._buf)[off - self._base : off + length - self._base]
+        else:
+            stored = self._buf[off - self._base : off + length - self._base]  # the one copy out of the stream buffer
+        try:
+            if self.verify:
+                hasher = xxhash.xxh3_64()
+                for p in pieces if stored is None else (stored,):
+                    hasher.update(p)
+                if hasher.intdigest() != rec[_CHECKSUM]:
+                    raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
+            if codec != "raw":
+                raw = decode_body(codec, stored, rec[_RAW])
+            else:
+                raw = stored
+            if dst is not None:
+                if pieces is None or codec != "raw":  # not received in place: one copy into the placement
+                    src, at = memoryview(raw).cast("B"), 0
+                    for p in self._dst_pieces or _head_pieces(dst):
+                        p[:] = src[at : at + p.nbytes]
+                        at += p.nbytes
+                    src.release()
+                data = dst
+            else:
+                data = view(raw if codec == "raw" else bytearray(raw), 0, self.header.dtype, shape, self.backend)
+        finally:
+            if isinstance(stored, memoryview) and pieces is None:
+                stored.release()  # the stream buffer must be resizable again
+        self._dst = self._pieces = self._dst_pieces = None
         self._consume(off + length)
         self._pos = off + length
         self._state = "frame"
-        return ChunkEvent(layer, comp, int(rec["token_start"][0]), data)
+        return ChunkEvent(layer, comp, rec[_T0], data)
 
     def _end(self, body: bytes) -> None:
         count, digest = parse_end_frame(body)
@@ -203,14 +445,17 @@ class StreamDecoder:
         if count != n or digest != self._digest.intdigest():
             raise LayoutError("INDEX_MISMATCH", "end frame count/digest disagree with the chunk frames",
                               rule="KVW-STREAM-1")
-        if not self._filled.all():
-            raise LayoutError("CHUNK_MISSING", f"{int((~self._filled).sum())} chunks never arrived",
+        if self._filled.count(0):
+            raise LayoutError("CHUNK_MISSING", f"{self._filled.count(0)} chunks never arrived",
                               rule="KVW-CHUNK-8")
 
     # -- end of input ------------------------------------------------------------------
 
     def close(self) -> str:
         """End of input: returns the form ("stream" or "file") or raises if incomplete."""
+        if self._state == "done":
+            self._state = "closed"
+            return "stream"
         if self._state != "tail":
             if self._state == "closed":
                 raise RuntimeError("close() called twice")

@@ -20,6 +20,7 @@ from . import limits as L
 from . import registry as R
 from .errors import FeatureError, LimitError, SchemaError, VersionError
 from .fbs import Architecture as fbArch
+from .fbs import EngineLayout as fbEngine
 from .fbs import Header as fbHeader
 from .fbs import KeyValue as fbKV
 from .fbs import LayerMapEntry as fbMap
@@ -168,6 +169,27 @@ class LayerMapEntry:
     op: str = "copy"
 
 
+MAX_LAYOUT_DIMS = 64  # EngineLayout.stride_order entries (spec section 17)
+_AXES = re.compile(r"^[A-Z][A-Z0-9]*(\*[A-Z][A-Z0-9]*)*(,[A-Z][A-Z0-9]*(\*[A-Z][A-Z0-9]*)*)*$")
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Which engine buffer layout a cache was gathered from (spec 5.9): diagnostics only.
+
+    ``axes`` names the engine tensor's dimensions in its shape order, comma-separated,
+    with merged axes joined by ``*`` (``"KV,B,N,H,C"``, ``"KV,L,T,H*C"``); ``stride_order``
+    lists the dimensions from outermost to innermost in memory (empty: shape order).
+    Readers never change decoding because of it (KVW-HDR-18).
+    """
+
+    name: str = ""
+    axes: str = ""
+    stride_order: tuple[int, ...] = ()
+    block_size: int = 0
+    engine: str = ""
+
+
 @dataclass(frozen=True)
 class Header:
     """Everything about a cache except its tensor bytes (spec section 5)."""
@@ -188,6 +210,7 @@ class Header:
     optional_features: int = 0
     format_major: int = R.FORMAT_MAJOR
     format_minor: int = R.FORMAT_MINOR
+    engine_layout: EngineLayout | None = None
 
     def __post_init__(self):
         if self.layer_tokens is None:
@@ -440,11 +463,47 @@ def check_writable(h: Header) -> None:
     for s in (p.library, p.version, m.model_type, m.model_id, m.revision):
         if "\0" in s or len(s.encode("utf-8")) > L.MAX_STRING_LENGTH:
             raise ValueError(f"string {s[:40]!r}...: no NUL, at most {L.MAX_STRING_LENGTH} UTF-8 bytes (KVW-HDR-7)")
+    if h.engine_layout is not None:
+        check_engine_layout(h.engine_layout)
     blobs = (m.config_fingerprint, m.tokenizer_fingerprint, m.weights_fingerprint, m.compat_fingerprint)
     ropes = [r for r in (h.arch.rope, *(s.rope for s in h.arch.layers)) if r is not None]
     if any(len(b) > L.MAX_BYTES_LENGTH for b in blobs) or any(
             len(v) > L.MAX_ROPE_FACTORS for r in ropes for v in (r.short_factor, r.long_factor, r.mrope_section)):
         raise ValueError("a fingerprint or RoPE factor list exceeds its limit (KVW-LIM-1)")
+
+
+def check_engine_layout(e: EngineLayout) -> None:
+    """Writer rules of the EngineLayout table (KVW-HDR-7, KVW-HDR-19, KVW-LIM-1)."""
+    for s in (e.name, e.axes, e.engine):
+        if not isinstance(s, str) or "\0" in s or len(s.encode("utf-8")) > L.MAX_STRING_LENGTH:
+            raise ValueError(f"engine_layout string {str(s)[:40]!r}: no NUL, at most {L.MAX_STRING_LENGTH} UTF-8 "
+                             "bytes (KVW-HDR-7)")
+    if not 0 <= e.block_size < 1 << 32:
+        raise ValueError(f"engine_layout.block_size {e.block_size} is not a u32")
+    if e.axes and not _AXES.fullmatch(e.axes):
+        raise ValueError(f"engine_layout.axes {e.axes!r}: comma-separated dimensions of '*'-joined upper-case "
+                         "axis names, e.g. 'KV,B,N,H,C' (KVW-HDR-19)")
+    order = tuple(e.stride_order)
+    if len(order) > MAX_LAYOUT_DIMS:
+        raise ValueError(f"engine_layout.stride_order has {len(order)} entries, limit {MAX_LAYOUT_DIMS} (KVW-LIM-1)")
+    if order:
+        ndims = len(e.axes.split(",")) if e.axes else -1
+        if sorted(order) != list(range(ndims)):
+            raise ValueError(f"engine_layout.stride_order {order} is not a permutation of the {max(ndims, 0)} "
+                             "dimensions of axes (KVW-HDR-19)")
+
+
+def _build_engine_layout(b, e: EngineLayout) -> int:
+    strings = {fid: b.CreateString(v) for fid, v in ((0, e.name), (1, e.axes), (4, e.engine)) if v}
+    order = _vec(b, "u1", e.stride_order) if e.stride_order else None
+    fbEngine.Start(b)
+    for fid, off in strings.items():
+        b.PrependUOffsetTRelativeSlot(fid, off, 0)
+    if order is not None:
+        fbEngine.AddStrideOrder(b, order)
+    if e.block_size:
+        fbEngine.AddBlockSize(b, e.block_size)
+    return fbEngine.End(b)
 
 
 def build_header(h: Header) -> bytes:
@@ -492,6 +551,7 @@ def build_header(h: Header) -> bytes:
         for off in reversed(kvs):
             b.PrependUOffsetTRelative(off)
         metadata = b.EndVector()
+    engine = _build_engine_layout(b, h.engine_layout) if h.engine_layout is not None else None
 
     fbHeader.Start(b)
     fbHeader.AddFormatMajor(b, h.format_major)
@@ -513,6 +573,8 @@ def build_header(h: Header) -> bytes:
     fbHeader.AddChecksumAlgorithm(b, R.CHECKSUM_ALGORITHMS[h.checksum_algorithm])
     if metadata is not None:
         fbHeader.AddCustomMetadata(b, metadata)
+    if engine is not None:
+        fbHeader.AddEngineLayout(b, engine)
     b.Finish(fbHeader.End(b), file_identifier=HEADER_IDENTIFIER)
     return bytes(b.Output())
 
@@ -595,6 +657,19 @@ def _read_structs(t: Table, fid: int, fmt: str, max_count: int) -> list[tuple]:
     return [s.unpack_from(t.buf.data, start + i * s.size) for i in range(count)]
 
 
+def _read_engine_layout(t: Table | None) -> EngineLayout | None:
+    """Verified like every table (KVW-HDR-2); its content is never judged (KVW-HDR-18)."""
+    if t is None:
+        return None
+    return EngineLayout(
+        name=t.string(0, L.MAX_STRING_LENGTH) or "",
+        axes=t.string(1, L.MAX_STRING_LENGTH) or "",
+        stride_order=_read_numbers(t, 2, "B", 1, MAX_LAYOUT_DIMS),
+        block_size=t.scalar(3, _S["I"], 0),
+        engine=t.string(4, L.MAX_STRING_LENGTH) or "",
+    )
+
+
 def parse_header(data: bytes) -> Header:
     """Verify and decode header bytes; raises a FormatError subclass on any defect."""
     buf = Buffer(bytes(data), HEADER_IDENTIFIER, "KVW-HDR-1")
@@ -637,6 +712,7 @@ def parse_header(data: bytes) -> Header:
         optional_features=t.scalar(3, _S["Q"], 0),
         format_major=t.scalar(0, _S["H"], 0),
         format_minor=t.scalar(1, _S["H"], 0),
+        engine_layout=_read_engine_layout(t.table(16)),
     )
     check_header(h)
     return h

@@ -25,8 +25,9 @@ from .container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
 )
+from .decoder import RECORD_STRUCT
 from .header import Header, build_header
-from .tensors import as_numpy, byte_view
+from .tensors import as_numpy, as_uint
 
 FORMS = ("file", "stream")
 
@@ -81,7 +82,10 @@ class Encoder:
             raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
         self._filled[slot] = True
 
-        pieces = [memoryview(byte_view(np.ascontiguousarray(x[i]))) for i in range(x.shape[0])]
+        # one piece per head (a token slice of a [heads, T, dim] tensor is contiguous per head), viewed
+        # as unsigned integers of the same width, which export the buffer protocol for any dtype
+        pieces = [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B")
+                  for hd in as_uint(x)]
         raw_length = sum(p.nbytes for p in pieces)
         codec, stored = self.codec, pieces
         if codec != "raw":
@@ -91,15 +95,12 @@ class Encoder:
         hasher = xxhash.xxh3_64()
         for p in stored:
             hasher.update(p)
-        stored_length = sum(memoryview(p).nbytes for p in stored)
+        stored_length = raw_length if stored is pieces else sum(memoryview(p).nbytes for p in stored)
 
         frame_at = next_frame_offset(self._pos, h.alignment)
-        rec = np.zeros((), RECORD_DTYPE)
-        rec["offset"] = frame_at + FRAME_SIZE
-        rec["stored_length"], rec["raw_length"], rec["checksum"] = stored_length, raw_length, hasher.intdigest()
-        rec["token_start"], rec["token_count"], rec["layer"] = token_start, n, layer
-        rec["component"], rec["codec"] = R.COMPONENTS[component], R.CODECS[codec]
-        rec["head_count"] = x.shape[0]
+        rec = np.frombuffer(RECORD_STRUCT.pack(
+            frame_at + FRAME_SIZE, stored_length, raw_length, hasher.intdigest(), token_start, n, layer,
+            R.COMPONENTS[component], R.CODECS[codec], 0, 0, x.shape[0], 0, 0), RECORD_DTYPE)[0]
         self._records.append(rec)
         out = [bytes(frame_at - self._pos) + build_frame(rec), *stored]
         self._pos = frame_at + FRAME_SIZE + stored_length

@@ -205,7 +205,18 @@ class Header(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(34))
         return o == 0
 
-def HeaderStart(builder): builder.StartObject(16)
+    # Header
+    def EngineLayout(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(36))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .EngineLayout import EngineLayout
+            obj = EngineLayout()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def HeaderStart(builder): builder.StartObject(17)
 def Start(builder):
     return HeaderStart(builder)
 def HeaderAddFormatMajor(builder, formatMajor): builder.PrependUint16Slot(0, formatMajor, 0)
@@ -265,6 +276,9 @@ def AddCustomMetadata(builder, customMetadata):
 def HeaderStartCustomMetadataVector(builder, numElems): return builder.StartVector(4, numElems, 4)
 def StartCustomMetadataVector(builder, numElems):
     return HeaderStartCustomMetadataVector(builder, numElems)
+def HeaderAddEngineLayout(builder, engineLayout): builder.PrependUOffsetTRelativeSlot(16, flatbuffers.number_types.UOffsetTFlags.py_type(engineLayout), 0)
+def AddEngineLayout(builder, engineLayout):
+    return HeaderAddEngineLayout(builder, engineLayout)
 def HeaderEnd(builder): return builder.EndObject()
 def End(builder):
     return HeaderEnd(builder)

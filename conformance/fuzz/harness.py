@@ -1,0 +1,153 @@
+"""What the fuzzers check, and how they get past the checksums.
+
+``check(data)`` is the reader contract every input must satisfy:
+
+* the random-access reader (``kvwire.open`` + ``validate`` + ``load``) and the sequential
+  reader (``StreamDecoder``) either raise a ``FormatError`` or succeed; anything else
+  (an ``IndexError``, a ``struct.error``, a hang, a huge allocation) is a finding;
+* both readers accept or both reject (a parser differential is a finding), and when
+  both accept they return the same chunks, byte for byte;
+* every decoded tensor is touched (summed), so lazily mapped or mis-sized views fail here.
+
+``reseal(data)`` recomputes every checksum it can find (preamble check, header
+checksum, frame checks, body checksums, end frame count and digest, index checksum), so
+a mutation of a structure reaches the structure's parser instead of its checksum.
+
+Only a caller-configured decoded-size limit (KVW-LIM-6) differs from the defaults: 64 MiB,
+so that inputs which legitimately declare gigabytes do not exhaust the fuzzer's memory.
+"""
+
+from __future__ import annotations
+
+import struct
+
+MAX_DECODED = 64 << 20
+
+
+class Differential(AssertionError):
+    """The random-access and the sequential reader disagree about an input."""
+
+
+def _touch(x) -> int:
+    import numpy as np
+
+    a = np.ascontiguousarray(x)
+    return int(a.view(np.uint8).sum()) if a.size else 0
+
+
+def check(data: bytes) -> str:
+    """Run both readers on ``data``; return "ok" or the error code. Raises on a finding."""
+    import kvwire
+    from kvwire.errors import FormatError
+
+    ra_chunks = {}
+    try:
+        with kvwire.open(data, max_decoded_bytes=MAX_DECODED) as r:
+            r.validate()
+            cache = r.load()
+            for layer in cache.layers:
+                for x in layer.values():
+                    _touch(x)
+            for layer, comp, t0, x in r.iter_chunks():
+                ra_chunks[layer, comp, t0] = bytes(memoryview(x.reshape(-1).view("u1")))
+        ra = "ok"
+    except FormatError as exc:
+        ra = exc.code
+    seq_chunks = {}
+    try:
+        dec = kvwire.StreamDecoder(max_decoded_bytes=MAX_DECODED)
+        step = max(1, len(data) // 3)
+        for i in range(0, len(data), step):
+            dec.feed(data[i : i + step])
+            for ev in dec.events():
+                if isinstance(ev, kvwire.ChunkEvent):
+                    _touch(ev.data)
+                    seq_chunks[ev.layer, ev.component, ev.token_start] = bytes(
+                        memoryview(ev.data.reshape(-1).view("u1")))
+        for ev in dec.events():
+            pass
+        dec.close()
+        seq = "ok"
+    except FormatError as exc:
+        seq = exc.code
+    if (ra == "ok") != (seq == "ok"):
+        raise Differential(f"random-access reader: {ra}, sequential reader: {seq}")
+    if ra == "ok" and ra_chunks != seq_chunks:
+        raise Differential("both readers accept but decode different chunks")
+    return ra
+
+
+# ---------------------------------------------------------------------------------------
+# Resealing
+# ---------------------------------------------------------------------------------------
+
+def reseal(data: bytes) -> bytes:
+    """``data`` with every checksum recomputed that can be located (best effort, never raises)."""
+    b = bytearray(data)
+    try:
+        _reseal(b)
+    except Exception:  # noqa: BLE001 - a damaged container is the normal case here
+        pass
+    return bytes(b)
+
+
+def _reseal(b: bytearray) -> None:
+    from kvwire.container import (
+        END_MARKER, CHUNK_MARKER, MAGIC, TRAILER_MAGIC, check32, next_frame_offset, xxh3,
+    )
+
+    n = len(b)
+    if n < 32 or bytes(b[:8]) != MAGIC:
+        return
+    hlen = struct.unpack_from("<I", b, 12)[0]
+    if 32 + hlen <= n:
+        struct.pack_into("<Q", b, 16, xxh3(bytes(b[32 : 32 + hlen])))
+    struct.pack_into("<I", b, 28, check32(bytes(b[:28])))
+    if 32 + hlen > n:
+        return
+    alignment = 64
+    try:
+        from kvwire.header import parse_header
+
+        alignment = parse_header(bytes(b[32 : 32 + hlen])).alignment
+    except Exception:  # noqa: BLE001
+        pass
+    file_form = n >= 64 and bytes(b[-8:]) == TRAILER_MAGIC
+    pos = next_frame_offset(32 + hlen, alignment)
+    records = []
+    while pos + 64 <= n and len(records) < 4096:
+        marker = bytes(b[pos : pos + 4])
+        if marker == CHUNK_MARKER:
+            off, length = struct.unpack_from("<QQ", b, pos + 8)
+            if off == pos + 64 and off + length <= n:
+                struct.pack_into("<Q", b, pos + 32, xxh3(bytes(b[off : off + length])))
+            struct.pack_into("<I", b, pos + 4, check32(bytes(b[pos + 8 : pos + 64])))
+            records.append(bytes(b[pos + 8 : pos + 64]))
+            if off != pos + 64 or off + length > n:
+                return
+            pos = next_frame_offset(off + length, alignment)
+        elif marker == END_MARKER:
+            recs = b"".join(records)
+            if file_form:
+                recs = _index_records(b) or recs
+            struct.pack_into("<QQ", b, pos + 8, len(recs) // 56, xxh3(recs))
+            struct.pack_into("<I", b, pos + 4, check32(bytes(b[pos + 8 : pos + 64])))
+            break
+        else:
+            break
+    if file_form:
+        index_offset, index_length = struct.unpack_from("<QI", b, n - 32)
+        if index_offset + index_length <= n - 32:
+            struct.pack_into("<Q", b, n - 16, xxh3(bytes(b[index_offset : index_offset + index_length])))
+
+
+def _index_records(b: bytearray) -> bytes | None:
+    from kvwire.container import parse_index
+
+    index_offset, index_length = struct.unpack_from("<QI", b, len(b) - 32)
+    if index_offset + index_length > len(b) - 32:
+        return None
+    try:
+        return parse_index(bytes(b[index_offset : index_offset + index_length])).tobytes()
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,83 @@
+"""``kvwire conformance run|impl``: the command-line face of the conformance kit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .runner import LEVELS, CommandImpl, Runner, default_impl_argv, find_vectors_root, load_vector_sets
+
+
+def _levels(text: str) -> tuple:
+    levels = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in levels if x not in LEVELS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown level(s) {bad}; choose from {', '.join(LEVELS)}")
+    return levels
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="conformance_cmd", required=True)
+    r = sub.add_parser("run", help="run the gold vectors, writer cases and producer x consumer matrix",
+                       description="Drive implementations through the conformance protocol "
+                                   "(conformance/PROTOCOL.md) and report per vector, per level and per matrix cell.")
+    r.add_argument("--impl", action="append", metavar="CMD",
+                   help="command line of an implementation of the protocol (repeatable); "
+                        "default: the reference codec (`kvwire conformance impl`)")
+    r.add_argument("--vectors", metavar="DIR", help="a version folder (with manifest.json) or the folder of "
+                   "version folders; default: conformance/vectors of the source tree")
+    r.add_argument("--junit", metavar="FILE", help="write JUnit XML here")
+    r.add_argument("--markdown", metavar="FILE", help="write a Markdown report here")
+    r.add_argument("--levels", type=_levels, default=LEVELS, metavar="L1,L2",
+                   help=f"levels to run (default: {','.join(LEVELS)})")
+    r.add_argument("--select", action="append", default=[], metavar="PATTERN",
+                   help="only vectors / writer cases whose id matches (glob or substring; repeatable)")
+    r.add_argument("--jobs", "-j", type=int, default=None, help="parallel commands (default: CPU count)")
+    r.add_argument("--timeout", type=float, default=60.0, help="seconds per command before it counts as a hang")
+    r.add_argument("--no-serve", action="store_true",
+                   help="one process per command even if the implementation offers `serve`")
+    r.add_argument("--lenient-codes", action="store_true",
+                   help="a rejection with another registry code than expected is a warning, not a failure")
+    r.add_argument("--keep", metavar="DIR", help="keep the work files (writer specs, outputs) in DIR")
+    r.add_argument("-q", "--quiet", action="store_true", help="print only non-passing checks and the summary")
+    r.set_defaults(func=cmd_run)
+    i = sub.add_parser("impl", help="the reference implementation of the protocol (the default --impl)",
+                       description="decode IN.kvw OUT_DIR | encode SPEC.json OUT.kvw | validate IN.kvw | info")
+    i.add_argument("args", nargs=argparse.REMAINDER)
+    i.set_defaults(func=cmd_impl)
+
+
+def cmd_impl(args) -> int:
+    from .impl import main
+
+    return main(args.args)
+
+
+def cmd_run(args) -> int:
+    from .report import case_line, junit_xml, markdown, summary_text
+
+    root = Path(args.vectors) if args.vectors else find_vectors_root()
+    if root is None:
+        print("no conformance/vectors found here or above; pass --vectors DIR", file=sys.stderr)
+        return 2
+    try:
+        sets = load_vector_sets(root)
+    except (OSError, ValueError) as exc:
+        print(f"cannot load vectors: {exc}", file=sys.stderr)
+        return 2
+    impls = [CommandImpl(cmd, timeout=args.timeout, use_serve=not args.no_serve)
+             for cmd in (args.impl or [default_impl_argv()])]
+
+    def progress(c):
+        if not args.quiet or c.status not in ("pass", "skip"):
+            print(case_line(c), flush=True)
+
+    run = Runner(impls, sets, levels=args.levels, select=args.select, jobs=args.jobs,
+                 lenient_codes=args.lenient_codes, workdir=args.keep, progress=progress).run()
+    print(summary_text(run))
+    if args.junit:
+        Path(args.junit).write_bytes(junit_xml(run))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(run))
+    return 0 if run.ok else 1

@@ -1,0 +1,197 @@
+"""The reference implementation of the conformance subprocess protocol (PROTOCOL.md).
+
+``kvwire conformance impl decode IN.kvw OUT_DIR | encode SPEC.json OUT.kvw |
+validate IN.kvw | info`` drives the reference codec exactly as the runner drives any
+other implementation; it is the runner's default ``--impl``. Exit status: 0 success,
+1 the input was rejected (first line of stdout: the error code, then the rule id),
+2 usage error / command not supported. Any other failure (a traceback) is a bug the
+runner reports as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from .. import registry as R
+from ..cache import KVCache
+from ..errors import FormatError
+from ..header import Producer
+from ..reader import open as kv_open
+from ..version import __version__
+from ..writer import encode as kv_encode
+from . import neutral as N
+
+PROTOCOL_VERSION = 1
+COMMANDS = ("decode", "encode", "validate", "reassemble", "serve")
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+
+
+def _reject(exc: FormatError, out) -> int:
+    print(f"{exc.code} {exc.rule or ''}".rstrip(), file=out)
+    print(str(exc), file=out)
+    return EXIT_REJECTED
+
+
+def write_decoded(reader, out_dir: str) -> dict:
+    """Fully validate, decode and write ``decoded.json`` plus one raw file per tensor."""
+    reader.validate()
+    return write_cache(reader.load(), out_dir, form=reader.form, chunk_count=reader.chunk_count)
+
+
+def write_cache(cache, out_dir: str, **info) -> dict:
+    """``decoded.json`` (with ``info``: form, chunk_count / segments) plus one raw file per tensor."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = []
+    for i, layer in enumerate(cache.layers):
+        for comp in cache.header.arch.layers[i].components:
+            name = N.tensor_file_name(i, comp)
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(N.canonical_bytes(layer[comp]))
+            tensors.append({"layer": i, "component": comp, "shape": list(layer[comp].shape), "file": name})
+    doc = {"format": N.DECODED_FORMAT, "version": N.MODEL_JSON_VERSION, **info,
+           "header": N.header_to_json(cache.header), "tensors": tensors}
+    with open(os.path.join(out_dir, "decoded.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
+def reassemble_file(path: str):
+    """(cache, number of segments) of a byte stream of concatenated segments (KVW-STREAM-3..6)."""
+    from ..stream import Reassembler, read_segments
+
+    ra = Reassembler()
+    segments = 0
+    with open(path, "rb") as f:
+        for seg in read_segments(f):
+            ra.add(seg)
+            segments += 1
+    if not segments:
+        raise ValueError(f"{path}: no segment")
+    return ra.cache(), segments
+
+
+def cmd_reassemble(path: str, out_dir: str, out=sys.stdout) -> int:
+    try:
+        cache, segments = reassemble_file(path)
+    except FormatError as exc:
+        return _reject(exc, out)
+    write_cache(cache, out_dir, form="segments", segments=segments)
+    print(f"REASSEMBLED {segments}", file=out)
+    return EXIT_OK
+
+
+def cmd_decode(path: str, out_dir: str, out=sys.stdout) -> int:
+    try:
+        with kv_open(path) as r:
+            write_decoded(r, out_dir)
+    except FormatError as exc:
+        return _reject(exc, out)
+    print("DECODED", file=out)
+    return EXIT_OK
+
+
+def cmd_validate(path: str, out=sys.stdout) -> int:
+    try:
+        with kv_open(path) as r:
+            r.validate()
+    except FormatError as exc:
+        return _reject(exc, out)
+    print("VALID", file=out)
+    return EXIT_OK
+
+
+def read_encode_spec(spec_path: str) -> tuple[KVCache, str, str]:
+    """(cache, form, codec) described by an encode ``spec.json`` and its tensor files."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec.get("format") != N.ENCODE_SPEC_FORMAT:
+        raise ValueError(f"{spec_path}: not a {N.ENCODE_SPEC_FORMAT} document")
+    header = N.header_from_json(spec["header"], producer=Producer())
+    base = os.path.dirname(os.path.abspath(spec_path))
+    np_dtype = R.DTYPES[header.dtype][2]
+    given = {(t["layer"], t["component"]): t for t in spec["tensors"]}
+    layers = []
+    for i, layer_spec in enumerate(header.arch.layers):
+        layer = {}
+        for comp in layer_spec.components:
+            t = given[i, comp]
+            data = np.fromfile(os.path.join(base, t["file"]), dtype=np.uint8)
+            layer[comp] = data.view(np_dtype).reshape(t["shape"])
+        layers.append(layer)
+    return KVCache(header, layers), spec.get("form", "file"), spec.get("codec", "raw")
+
+
+def cmd_encode(spec_path: str, out_path: str, out=sys.stdout) -> int:
+    cache, form, codec = read_encode_spec(spec_path)
+    data = kv_encode(cache, form=form, codec=codec)
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out_path)
+    print(f"ENCODED {len(data)}", file=out)
+    return EXIT_OK
+
+
+def info() -> dict:
+    return {"name": "kvwire-reference", "version": __version__, "protocol": PROTOCOL_VERSION,
+            "commands": list(COMMANDS), "format_versions": [f"{R.FORMAT_MAJOR}.{R.FORMAT_MINOR}"]}
+
+
+USAGE = ("usage: impl decode IN.kvw OUT_DIR | encode SPEC.json OUT.kvw | validate IN.kvw | "
+         "reassemble IN.kvws OUT_DIR | info | serve")
+
+
+def serve(inp=None, out=None) -> int:
+    """Answer one JSON request per input line: {"id", "args"} -> {"id", "exit", "stdout", "stderr"}.
+
+    Each request behaves exactly like a separate ``impl ARGS...`` process; a command that
+    raises anything but a ``FormatError`` is answered like a process that died with a
+    traceback (exit 1, nothing on stdout), so the runner classifies it the same way.
+    """
+    import contextlib
+    import io
+    import traceback
+
+    inp = sys.stdin if inp is None else inp
+    out = sys.stdout if out is None else out
+    stray = contextlib.redirect_stdout(sys.stderr)  # stray prints must not corrupt the answers
+    for line in inp:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        buf = io.StringIO()
+        err = ""
+        try:
+            args = [str(a) for a in req["args"]]
+            with stray:
+                code = EXIT_USAGE if args[:1] in (["serve"], ["info"]) else main(args, out=buf)
+        except Exception:  # noqa: BLE001 - reported, not hidden: the runner counts it as an error
+            code, buf, err = 1, io.StringIO(), traceback.format_exc()
+        out.write(json.dumps({"id": req.get("id"), "exit": code, "stdout": buf.getvalue(), "stderr": err}) + "\n")
+        out.flush()
+    return EXIT_OK
+
+
+def main(argv=None, out=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = sys.stdout if out is None else out
+    cmd, args = (argv[0], argv[1:]) if argv else ("", [])
+    if cmd == "decode" and len(args) == 2:
+        return cmd_decode(args[0], args[1], out)
+    if cmd == "encode" and len(args) == 2:
+        return cmd_encode(args[0], args[1], out)
+    if cmd == "reassemble" and len(args) == 2:
+        return cmd_reassemble(args[0], args[1], out)
+    if cmd == "validate" and len(args) == 1:
+        return cmd_validate(args[0], out)
+    if cmd == "serve" and not args:
+        return serve()
+    if cmd == "info" and not args:
+        print(json.dumps(info()), file=out)
+        return EXIT_OK
+    print(USAGE, file=sys.stderr)
+    return EXIT_USAGE

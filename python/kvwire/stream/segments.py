@@ -1,0 +1,196 @@
+"""Decode phase: tokens batched into whole chunks and sent as segments (spec KVW-STREAM-3..6)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import registry as R
+from ..cache import KVCache
+from ..codecs import DEFAULT_ZSTD_LEVEL
+from ..errors import LayoutError
+from ..header import Header, default_layer_tokens
+from ..tensors import as_numpy
+from ..writer import Encoder
+from .transport import Reader, TransferStats, _sender
+
+
+def _segment_base(h: Header) -> Header:
+    """Everything that the segments of one sequence share (KVW-STREAM-5)."""
+    return h.replace(first_position=0, token_count=0)
+
+
+class DecodeWriter:
+    """Decode-phase tokens, sent as whole chunks (spec KVW-STREAM-4..6).
+
+    ``append`` copies the new tokens of every layer into a staging chunk; when the
+    tokens reach a multiple of ``chunk_tokens`` in absolute positions, the staged chunk
+    goes out as one segment: a stream-form container whose header has
+    ``first_position`` = the segment's first position, ``token_count`` = its tokens, and
+    otherwise the fields of ``header`` (architecture, dtype, model ...). One send per
+    segment, none per token. ``flush()`` sends the tokens staged so far as a partial
+    segment; the next segment of the same cell starts at the same position and
+    supersedes it.
+    """
+
+    def __init__(self, sink, header: Header, *, first_position: int | None = None, chunk_tokens: int | None = None,
+                 codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL, link_gbps: float | None = None):
+        self.chunk_tokens = C = chunk_tokens or header.chunk_tokens
+        self.base = _segment_base(header).replace(chunk_tokens=C)
+        self.position = header.first_position + header.token_count if first_position is None else first_position
+        self.codec, self.level = codec, level
+        self.segments = 0
+        self._send = _sender(sink)
+        self.stats = TransferStats("send", link_gbps)
+        self._start = self.position  # first position of the staged segment
+        self._flushed = self.position  # position up to which the staged tokens were sent
+        np_dtype = R.DTYPES[header.dtype][2]
+        self._staging = [{c: np.empty(spec.shape(c, C), np_dtype) for c in spec.components}
+                         for spec in header.arch.layers]
+
+    def append(self, k=None, v=None, *, latent=None) -> int:
+        """Add tokens: per-layer sequences of [heads, dim] (one token) or [heads, n, dim]
+        arrays (None for a layer that stores nothing). Returns the segments sent."""
+        given = {c: x for c, x in (("k", k), ("v", v), ("latent", latent)) if x is not None}
+        layers = self.base.arch.layers
+        views = []
+        for c, seq in given.items():
+            if len(seq) != len(layers):
+                raise ValueError(f"{c}: {len(seq)} layers given, the header has {len(layers)}")
+        n = None
+        for i, spec in enumerate(layers):
+            per = {}
+            for c in spec.components:
+                if c not in given or given[c][i] is None:
+                    raise ValueError(f"layer {i} ({spec.kind}) needs {c}")
+                x = as_numpy(given[c][i])
+                if x.ndim == 2:
+                    x = x[:, None, :]
+                if (x.shape[0], x.shape[2]) != (spec.shape(c, 1)[0], spec.shape(c, 1)[2]) or \
+                        (n is not None and x.shape[1] != n):
+                    raise ValueError(f"layer {i} {c}: shape {tuple(x.shape)} does not fit {spec.shape(c, 1)}")
+                n = x.shape[1]
+                per[c] = x
+            views.append(per)
+        if not n:
+            return 0
+        sent, done = 0, 0
+        C = self.chunk_tokens
+        while done < n:
+            cell_end = (self.position // C + 1) * C
+            m = min(n - done, cell_end - self.position)
+            at = self.position - self._start
+            for staged, per in zip(self._staging, views):
+                for c, x in per.items():
+                    staged[c][:, at : at + m, :] = x[:, done : done + m, :]
+            self.position += m
+            done += m
+            if self.position == cell_end:
+                self._emit()
+                self._start = self._flushed = self.position
+                sent += 1
+        return sent
+
+    def flush(self) -> bool:
+        """Send the staged tokens as a partial segment (if any are unsent); True if sent."""
+        if self.position == self._flushed:
+            return False
+        self._emit()
+        self._flushed = self.position
+        return True
+
+    def close(self) -> TransferStats:
+        self.flush()
+        return self.stats
+
+    def _emit(self) -> None:
+        n = self.position - self._start
+        h = self.base.replace(first_position=self._start, token_count=n)
+        enc = Encoder(h, codec=self.codec, level=self.level)
+        buffers = enc.begin()
+        for i, staged in enumerate(self._staging):
+            for c, x in staged.items():
+                buffers += enc.chunk(i, c, 0, x[:, :n, :])
+        buffers += enc.end(form="stream")
+        self.stats.begin()
+        self.stats.add(self._send(buffers))
+        self.segments += 1
+
+
+def read_segments(source, **reader_options):
+    """Yield each container on ``source`` as a ``KVCache``, until the source ends
+    between two containers (KVW-STREAM-3). ``reader_options`` go to ``Reader``."""
+    reader_options.setdefault("prefetch", 0)
+    while True:
+        try:
+            r = Reader(source, **reader_options)
+        except EOFError:
+            return
+        yield r.cache()
+
+
+class Reassembler:
+    """Receiver side of KVW-STREAM-5/6: segments of one sequence into one cache.
+
+    ``add(segment)`` appends a segment that starts where the cache ends, or replaces
+    the last segment when that one was partial and the new one starts at the same
+    position and reaches at least as far. ``cache()`` is the sequence so far (views);
+    ``partial`` tells whether its last segment was partial.
+    """
+
+    def __init__(self):
+        self.base: Header | None = None
+        self.start = self.end = 0
+        self.partial = False
+        self._last_start = 0
+        self._store: list[dict] = []
+        self._capacity = 0
+
+    def add(self, segment: KVCache) -> None:
+        h = segment.header
+        s, e = h.first_position, h.first_position + h.token_count
+        if h.token_count < 1 or h.layer_tokens != default_layer_tokens(h.arch, h.token_count):
+            raise LayoutError("SEGMENT_MISMATCH", "a segment carries at least one token in every stored layer "
+                              "(default layer token ranges)", rule="KVW-STREAM-5")
+        if self.base is None:
+            self.base, self.start, self.end = _segment_base(h), s, s
+        elif _segment_base(h) != self.base:
+            raise LayoutError("SEGMENT_MISMATCH", "segment header differs from the first segment's beyond "
+                              "first_position and token_count", rule="KVW-STREAM-5")
+        if s == self.end:
+            pass
+        elif self.partial and s == self._last_start and e >= self.end:
+            pass  # supersedes the partial segment
+        else:
+            raise LayoutError("SEGMENT_ORDER", f"segment [{s}, {e}) neither continues the sequence at {self.end} "
+                              f"nor supersedes a partial segment at {self._last_start}", rule="KVW-STREAM-6")
+        self._grow(e - self.start)
+        at = s - self.start
+        for store, layer in zip(self._store, segment.layers):
+            for c, x in layer.items():
+                store[c][:, at : at + h.token_count, :] = as_numpy(x)
+        self._last_start, self.end = s, e
+        self.partial = e % h.chunk_tokens != 0
+
+    def _grow(self, tokens: int) -> None:
+        if tokens <= self._capacity:
+            return
+        cap = max(tokens, 2 * self._capacity, self.base.chunk_tokens)
+        np_dtype = R.DTYPES[self.base.dtype][2]
+        used = self.end - self.start
+        new = []
+        for i, spec in enumerate(self.base.arch.layers):
+            layer = {}
+            for c in spec.components:
+                a = np.empty(spec.shape(c, cap), np_dtype)
+                if self._store:
+                    a[:, :used, :] = self._store[i][c][:, :used, :]
+                layer[c] = a
+            new.append(layer)
+        self._store, self._capacity = new, cap
+
+    def cache(self) -> KVCache:
+        if self.base is None:
+            raise ValueError("no segment yet")
+        n = self.end - self.start
+        h = self.base.replace(first_position=self.start, token_count=n)
+        return KVCache(h, [{c: a[:, :n, :] for c, a in layer.items()} for layer in self._store])
