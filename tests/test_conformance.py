@@ -32,10 +32,12 @@ from kvwire.reader import open as kv_open
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "conformance" / "vectors"
 
-# SHA-256 of each version folder's manifest.json. A committed manifest never changes; a new
-# format version adds a folder and a line here.
+# SHA-256 of each version folder's manifest.json. A version folder is append-only: its files
+# never change; `generate.py --add NAME` appends new vectors (new files, new manifest entries
+# after the old ones) and the pin here is updated; a new format version adds a folder and a line.
+# 1.0 history: 34f96eba... (frozen set), 25f1d286... (+ engine_layout, spec 5.9).
 PINNED_MANIFESTS = {
-    "1.0": "34f96ebad955b8e316bb05da3c3b2d8ffc2abefc9fa0f976998e15afd69fcf3d",
+    "1.0": "25f1d2862869219ba4ae862600f2e286bdc936ab855171f0a69387e4ca179bd2",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {}
@@ -135,6 +137,27 @@ def test_generator_refuses_to_overwrite_a_version_folder(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 1 and "refusing to overwrite" in p.stderr
     assert list((tmp_path / "1.0").iterdir()) == []
+
+
+def test_generator_adds_a_set_only_once_and_never_replaces_a_file(tmp_path):
+    gen = str(ROOT / "conformance" / "generate.py")
+    p = subprocess.run([sys.executable, gen, "--add", "engine_layout"], capture_output=True, text=True)
+    assert p.returncode == 1 and "already lists it" in p.stderr
+    m = json.loads((VECTORS / "1.0" / "manifest.json").read_text())
+    added = [n for a in m["additions"] for n in a["vectors"]]
+    assert [e["name"] for e in m["vectors"]][-len(added):] == added  # appended after the frozen ones
+    # the manifest as it was before the set, its files still there: refused, nothing written
+    import shutil
+
+    shutil.copytree(VECTORS / "1.0", tmp_path / "1.0")
+    del m["additions"]
+    m["vectors"] = m["vectors"][: -len(added)]
+    (tmp_path / "1.0" / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
+    before = {p: sha256(p) for p in (tmp_path / "1.0").rglob("*") if p.is_file()}
+    p = subprocess.run([sys.executable, gen, "--out", str(tmp_path), "--add", "engine_layout"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "refusing to overwrite existing files" in p.stderr, p.stderr
+    assert before == {p: sha256(p) for p in (tmp_path / "1.0").rglob("*") if p.is_file()}
 
 
 def test_twins_agree_with_the_reference_reader_and_round_trip_through_json():
