@@ -215,12 +215,11 @@ def _writev(fd: int, batch: list) -> int:
     return written
 
 
-def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
-    """Write ``cache`` to ``path`` in file form, atomically; returns the size in bytes.
+def atomic_write(path, buffers, *, fsync: bool = False) -> int:
+    """writev ``buffers`` to a temporary file next to ``path``, then rename it over ``path``.
 
-    The bytes go to a temporary file in the same directory that is renamed over
-    ``path`` only once complete (and, with ``fsync=True``, durable), so ``path`` holds
-    either its old content or the whole new container, never a mix.
+    ``path`` holds either its old content or all of the new bytes, never a mix; with
+    ``fsync=True`` the file and its directory entry are durable before this returns.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -228,7 +227,7 @@ def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
         try:
-            size = write_all(fd, iter_buffers(cache, form="file", **opts))
+            size = write_all(fd, buffers)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -247,3 +246,8 @@ def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
         finally:
             os.close(dfd)
     return size
+
+
+def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
+    """Write ``cache`` to ``path`` in file form, atomically (``atomic_write``); returns the size."""
+    return atomic_write(path, iter_buffers(cache, form="file", **opts), fsync=fsync)

@@ -9,14 +9,12 @@ of the engine memory. The header records the layout the cache came from
 
 from __future__ import annotations
 
-import os
-import secrets
 
 from ..cache import KVCache
 from ..chunks import planned_chunks
 from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..header import Architecture, Header, LayerSpec
-from ..writer import Encoder, write_all
+from ..writer import Encoder, atomic_write
 from .adapter import EngineBuffers, LayoutMismatchError
 
 
@@ -73,29 +71,6 @@ def encode_from_engine(eb: EngineBuffers, ids, num_tokens: int, **opts) -> bytes
 def save_from_engine(path, eb: EngineBuffers, ids, num_tokens: int, *, fsync: bool = False, **opts) -> int:
     """Write the cache to ``path`` atomically (temporary file + rename); returns its size."""
     return atomic_write(path, iter_buffers_from_engine(eb, ids, num_tokens, form="file", **opts), fsync=fsync)
-
-
-def atomic_write(path, buffers, *, fsync: bool = False) -> int:
-    """writev ``buffers`` to a temporary file next to ``path``, then rename it over ``path``."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        try:
-            size = write_all(fd, buffers)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return size
 
 
 def gather_cache(eb: EngineBuffers, ids, num_tokens: int, **header_fields) -> KVCache:

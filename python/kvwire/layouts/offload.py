@@ -40,7 +40,8 @@ from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..cuda import int_view, stream_for
 from ..writer import Encoder
 from .adapter import EngineBuffers, LayoutMismatchError, _runs
-from .engine import architecture_of, atomic_write
+from ..writer import atomic_write
+from .engine import architecture_of
 
 
 class RingFullError(TimeoutError):
