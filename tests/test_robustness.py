@@ -47,6 +47,7 @@ def outcome(data) -> str:
 
 @pytest.mark.parametrize("form,codec", COMBOS)
 def test_truncation_at_every_length(form, codec):
+    # KVW-ERR-2: every prefix terminates with a FormatError, no out-of-bounds read or crash
     data = ENC[form, codec]
     end_of_end_frame = forge.layout(data).end_frame + FRAME_SIZE
     for n in range(len(data)):

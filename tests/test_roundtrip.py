@@ -315,6 +315,7 @@ def test_save_writes_a_valid_file(tmp_path):
 
 
 def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
+    # KVW-FILE-6: temp file + rename; the old file survives a failed write
     old, new = forge.small_cache(seed=1), forge.small_cache(seed=2, tokens=70)
     path = tmp_path / "c.kvw"
     kvwire.save(path, old)
