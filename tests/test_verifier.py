@@ -428,7 +428,8 @@ def test_arch_valid_kinds_parse():
               dict(kind=3, num_kv_heads=1, head_dim_k=12, kv_lora_rank=8, qk_rope_head_dim=4),
               dict(kind=4, source_layer=3)]
     h = kvwire.probe(hdr(layers=layers, token_count=4))
-    assert [s.kind for s in h.arch.layers] == list(kvwire.header.R.LAYER_KINDS)
+    R = kvwire.header.R
+    assert [s.kind for s in h.arch.layers] == [k for k in R.LAYER_KINDS if k not in R.FEATURE_GATED["layer_kind"]]
     assert h.layer_tokens[4] == kvwire.TokenRange(0, 0)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from . import registry as R
-from .chunks import NCOMP, ChunkTable, check_record_fields, on_grid
+from .chunks import ChunkTable, check_record_fields, on_grid
 from .codecs import decode_body
 from .container import (
     END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
@@ -52,6 +52,9 @@ from .tensors import as_numpy, as_uint, view
 # token_count, layer, component, codec, flags, head_start, head_count, reserved0, reserved1
 RECORD_STRUCT = struct.Struct("<QQQQIIHBBHHHHI")
 assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize
+# The fast path takes only v1.0's plain codes; anything else goes to check_record_fields.
+_PLAIN_COMPONENT = R.COMPONENTS["latent"]
+_PLAIN_CODEC = R.CODECS["zstd"]
 _OFFSET, _STORED, _RAW, _CHECKSUM, _T0, _COUNT, _LAYER, _COMP, _CODEC = range(9)
 IOV_MAX = 1024  # most buffers one readv / recvmsg_into call accepts on Linux
 TAIL_READ = 64 << 10  # read size after the end frame while looking for a file-form tail
@@ -357,8 +360,8 @@ class StreamDecoder:
         canonical lengths), without numpy; None for anything else, which then goes to
         ``check_record_fields``. Accepts only what that check accepts (tested)."""
         (_, stored, raw, _, t0, n, layer, comp, codec, flags, head_start, head_count, r0, r1) = rec
-        if layer >= self.header.num_layers or comp >= NCOMP or flags or r0 or r1 or head_start \
-                or codec >= len(R.CODECS) or stored == 0:
+        if layer >= self.header.num_layers or comp > _PLAIN_COMPONENT or flags or r0 or r1 or head_start \
+                or codec > _PLAIN_CODEC or stored == 0:
             return None
         heads, dims, start, stop, base = self._geom
         h = heads[layer][comp]

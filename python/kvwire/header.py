@@ -272,16 +272,17 @@ def check_header(h: Header) -> None:
     if h.token_count > L.MAX_TOKENS or h.first_position + h.token_count >= 1 << 63:
         _fail("LIMIT_EXCEEDED", "KVW-LIM-3", f"token_count {h.token_count} from position {h.first_position} "
               "exceeds the limits", LimitError)
-    _check_arch(h.arch, h.itemsize, h.chunk_tokens)
+    _check_arch(h.arch, h.itemsize, h.chunk_tokens, h.required_features)
     _check_layer_tokens(h)
     _check_layer_map(h)
     _check_metadata(h.metadata)
 
 
-def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int) -> None:
+def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int, features: int = 0) -> None:
     """Rules of one LayerSpec that do not depend on its position (``i`` names it in messages)."""
-    if s.kind not in R.LAYER_KINDS:
-        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r}")
+    if s.kind not in R.LAYER_KINDS or not R.enabled_codes("layer_kind", features)[R.LAYER_KINDS[s.kind]]:
+        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r} (a kind registered by a feature "
+              "needs its required bit, KVW-EVOL-8)")
     if s.kind == "shared":
         if s.num_kv_heads or s.head_dim_k or s.head_dim_v or s.window or s.kv_lora_rank or s.qk_rope_head_dim:
             _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions or a window; its source "
@@ -313,7 +314,7 @@ def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int) -> None:
                   f"{L.MAX_CHUNK_RAW_LENGTH} bytes", LimitError)
 
 
-def _check_arch(arch: Architecture, itemsize: int, chunk_tokens: int) -> None:
+def _check_arch(arch: Architecture, itemsize: int, chunk_tokens: int, features: int = 0) -> None:
     n = arch.num_layers
     if not 1 <= n <= L.MAX_LAYERS:
         _fail("LIMIT_EXCEEDED" if n else "ARCH_INVALID", "KVW-ARCH-1", f"num_layers {n} outside [1, {L.MAX_LAYERS}]",
@@ -322,7 +323,7 @@ def _check_arch(arch: Architecture, itemsize: int, chunk_tokens: int) -> None:
     for i, s in enumerate(arch.layers):
         if id(s) not in checked:
             checked.add(id(s))
-            _check_spec(s, i, itemsize, chunk_tokens)
+            _check_spec(s, i, itemsize, chunk_tokens, features)
         if s.kind == "shared":
             src = s.source_layer
             if not (0 <= src < i and arch.layers[src].kind != "shared"):

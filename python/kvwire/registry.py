@@ -29,10 +29,10 @@ DTYPES: dict[str, tuple[int, int, np.dtype]] = {
 }
 DTYPE_BY_CODE = {code: name for name, (code, _, _) in DTYPES.items()}
 
-CODECS = {"raw": 0, "zstd": 1}
+CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
 CODEC_BY_CODE = {v: k for k, v in CODECS.items()}
 
-COMPONENTS = {"k": 0, "v": 1, "latent": 2}
+COMPONENTS = {"k": 0, "v": 1, "latent": 2, "state": 3, "positions": 4}
 COMPONENT_BY_CODE = {v: k for k, v in COMPONENTS.items()}
 
 LAYER_KINDS = {
@@ -41,6 +41,7 @@ LAYER_KINDS = {
     "chunked_attention": 2,
     "mla_latent": 3,
     "shared": 4,
+    "state": 5,
 }
 LAYER_KIND_BY_CODE = {v: k for k, v in LAYER_KINDS.items()}
 
@@ -51,6 +52,7 @@ KIND_COMPONENTS = {
     "chunked_attention": ("k", "v"),
     "mla_latent": ("latent",),
     "shared": (),
+    "state": ("state",),
 }
 
 CHECKSUM_ALGORITHMS = {"xxh3_64": 0}
@@ -61,6 +63,41 @@ ROPE_TYPE_BY_CODE = {v: k for k, v in ROPE_TYPES.items()}
 
 MAP_OPS = {"copy": 0, "alias": 1, "recompute": 2, "drop": 3}
 MAP_OP_BY_CODE = {v: k for k, v in MAP_OPS.items()}
+
+# CodecSpec enums (spec/codecs.md)
+SCALE_GRANULARITIES = {"tensor": 0, "head": 1, "token": 2}
+SCALE_GRANULARITY_BY_CODE = {v: k for k, v in SCALE_GRANULARITIES.items()}
+GROUP_AXES = {"tokens": 0, "channels": 1}
+GROUP_AXIS_BY_CODE = {v: k for k, v in GROUP_AXES.items()}
+
+# Feature registry (spec section 20.8). A writer sets a required bit when the container
+# uses the feature; a reader that does not implement a set required bit refuses the
+# container (KVW-EVOL-3) instead of misreading it.
+REQUIRED_FEATURES = {
+    "codec_specs": 1 << 0,  # ChunkRecord.reserved0 indexes Header.codec_specs (spec/codecs.md)
+    "sparse": 1 << 1,  # Header.sparse: per-(layer, head) token subsets (spec/codecs.md)
+    "state_layers": 1 << 2,  # LayerKind STATE / Component STATE (spec/crossmodel.md)
+}
+
+# Codes that a feature registers: outside containers that set the feature's required bit
+# they are out of range, exactly as in a v1.0 container (KVW-EVOL-8).
+FEATURE_GATED = {
+    "codec": {"byteplane_zstd": "codec_specs", "fp8": "codec_specs", "int_affine": "codec_specs"},
+    "component": {"state": "state_layers", "positions": "sparse"},
+    "layer_kind": {"state": "state_layers"},
+}
+_GATED_REGISTRIES = {"codec": CODECS, "component": COMPONENTS, "layer_kind": LAYER_KINDS}
+
+
+def enabled_codes(registry: str, required_features: int) -> np.ndarray:
+    """Boolean lookup table over 0..255: which codes of ``registry`` a container may use."""
+    out = np.zeros(256, dtype=bool)
+    gates = FEATURE_GATED[registry]
+    for name, code in _GATED_REGISTRIES[registry].items():
+        feature = gates.get(name)
+        out[code] = feature is None or bool(required_features & REQUIRED_FEATURES[feature])
+    return out
+
 
 # Required-feature bits this reader implements (spec: "Feature registry"). v1.0 defines none.
 KNOWN_REQUIRED_FEATURES = 0

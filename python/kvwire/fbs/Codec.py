@@ -2,7 +2,12 @@
 
 # namespace: fbs
 
-# Body encoding (registry: spec section "Codec registry"). v1 core: RAW and ZSTD.
+# Body encoding (registry: spec section "Codec registry"). v1.0: RAW and ZSTD; v1.1 adds
+# the lossless BYTEPLANE_ZSTD and the lossy FP8 and INT_AFFINE, whose parameters are a
+# CodecSpec in Header.codec_specs (spec/codecs.md).
 class Codec(object):
     RAW = 0
     ZSTD = 1
+    BYTEPLANE_ZSTD = 2
+    FP8 = 3
+    INT_AFFINE = 4

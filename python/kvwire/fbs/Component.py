@@ -7,3 +7,5 @@ class Component(object):
     K = 0
     V = 1
     LATENT = 2
+    STATE = 3
+    POSITIONS = 4

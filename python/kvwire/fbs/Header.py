@@ -216,7 +216,54 @@ class Header(object):
             return obj
         return None
 
-def HeaderStart(builder): builder.StartObject(17)
+    # Header
+    def Prefix(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(38))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .PrefixChain import PrefixChain
+            obj = PrefixChain()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Header
+    def CodecSpecs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(40))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from .CodecSpec import CodecSpec
+            obj = CodecSpec()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Header
+    def CodecSpecsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(40))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Header
+    def CodecSpecsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(40))
+        return o == 0
+
+    # Header
+    def Sparse(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(42))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .SparseInfo import SparseInfo
+            obj = SparseInfo()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def HeaderStart(builder): builder.StartObject(20)
 def Start(builder):
     return HeaderStart(builder)
 def HeaderAddFormatMajor(builder, formatMajor): builder.PrependUint16Slot(0, formatMajor, 0)
@@ -279,6 +326,18 @@ def StartCustomMetadataVector(builder, numElems):
 def HeaderAddEngineLayout(builder, engineLayout): builder.PrependUOffsetTRelativeSlot(16, flatbuffers.number_types.UOffsetTFlags.py_type(engineLayout), 0)
 def AddEngineLayout(builder, engineLayout):
     return HeaderAddEngineLayout(builder, engineLayout)
+def HeaderAddPrefix(builder, prefix): builder.PrependUOffsetTRelativeSlot(17, flatbuffers.number_types.UOffsetTFlags.py_type(prefix), 0)
+def AddPrefix(builder, prefix):
+    return HeaderAddPrefix(builder, prefix)
+def HeaderAddCodecSpecs(builder, codecSpecs): builder.PrependUOffsetTRelativeSlot(18, flatbuffers.number_types.UOffsetTFlags.py_type(codecSpecs), 0)
+def AddCodecSpecs(builder, codecSpecs):
+    return HeaderAddCodecSpecs(builder, codecSpecs)
+def HeaderStartCodecSpecsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartCodecSpecsVector(builder, numElems):
+    return HeaderStartCodecSpecsVector(builder, numElems)
+def HeaderAddSparse(builder, sparse): builder.PrependUOffsetTRelativeSlot(19, flatbuffers.number_types.UOffsetTFlags.py_type(sparse), 0)
+def AddSparse(builder, sparse):
+    return HeaderAddSparse(builder, sparse)
 def HeaderEnd(builder): return builder.EndObject()
 def End(builder):
     return HeaderEnd(builder)

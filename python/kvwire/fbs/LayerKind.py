@@ -9,3 +9,4 @@ class LayerKind(object):
     CHUNKED_ATTENTION = 2
     MLA_LATENT = 3
     SHARED = 4
+    STATE = 5

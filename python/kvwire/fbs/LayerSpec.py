@@ -104,7 +104,32 @@ class LayerSpec(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
-def LayerSpecStart(builder): builder.StartObject(10)
+    # LayerSpec
+    def StateTensors(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            x = self._tab.Indirect(x)
+            from .StateTensor import StateTensor
+            obj = StateTensor()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # LayerSpec
+    def StateTensorsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # LayerSpec
+    def StateTensorsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        return o == 0
+
+def LayerSpecStart(builder): builder.StartObject(11)
 def Start(builder):
     return LayerSpecStart(builder)
 def LayerSpecAddKind(builder, kind): builder.PrependUint8Slot(0, kind, 0)
@@ -137,6 +162,12 @@ def AddKvLoraRank(builder, kvLoraRank):
 def LayerSpecAddQkRopeHeadDim(builder, qkRopeHeadDim): builder.PrependUint32Slot(9, qkRopeHeadDim, 0)
 def AddQkRopeHeadDim(builder, qkRopeHeadDim):
     return LayerSpecAddQkRopeHeadDim(builder, qkRopeHeadDim)
+def LayerSpecAddStateTensors(builder, stateTensors): builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(stateTensors), 0)
+def AddStateTensors(builder, stateTensors):
+    return LayerSpecAddStateTensors(builder, stateTensors)
+def LayerSpecStartStateTensorsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartStateTensorsVector(builder, numElems):
+    return LayerSpecStartStateTensorsVector(builder, numElems)
 def LayerSpecEnd(builder): return builder.EndObject()
 def End(builder):
     return LayerSpecEnd(builder)

@@ -159,7 +159,55 @@ class ModelIdentity(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         return o == 0
 
-def ModelIdentityStart(builder): builder.StartObject(7)
+    # ModelIdentity
+    def Framework(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # ModelIdentity
+    def FrameworkVersion(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # ModelIdentity
+    def LayerWeightsFingerprints(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # ModelIdentity
+    def LayerWeightsFingerprintsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # ModelIdentity
+    def LayerWeightsFingerprintsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # ModelIdentity
+    def LayerWeightsFingerprintsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
+    # ModelIdentity
+    def FingerprintScheme(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
+def ModelIdentityStart(builder): builder.StartObject(11)
 def Start(builder):
     return ModelIdentityStart(builder)
 def ModelIdentityAddModelType(builder, modelType): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(modelType), 0)
@@ -195,6 +243,21 @@ def AddCompatFingerprint(builder, compatFingerprint):
 def ModelIdentityStartCompatFingerprintVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def StartCompatFingerprintVector(builder, numElems):
     return ModelIdentityStartCompatFingerprintVector(builder, numElems)
+def ModelIdentityAddFramework(builder, framework): builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(framework), 0)
+def AddFramework(builder, framework):
+    return ModelIdentityAddFramework(builder, framework)
+def ModelIdentityAddFrameworkVersion(builder, frameworkVersion): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(frameworkVersion), 0)
+def AddFrameworkVersion(builder, frameworkVersion):
+    return ModelIdentityAddFrameworkVersion(builder, frameworkVersion)
+def ModelIdentityAddLayerWeightsFingerprints(builder, layerWeightsFingerprints): builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(layerWeightsFingerprints), 0)
+def AddLayerWeightsFingerprints(builder, layerWeightsFingerprints):
+    return ModelIdentityAddLayerWeightsFingerprints(builder, layerWeightsFingerprints)
+def ModelIdentityStartLayerWeightsFingerprintsVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def StartLayerWeightsFingerprintsVector(builder, numElems):
+    return ModelIdentityStartLayerWeightsFingerprintsVector(builder, numElems)
+def ModelIdentityAddFingerprintScheme(builder, fingerprintScheme): builder.PrependUint16Slot(10, fingerprintScheme, 0)
+def AddFingerprintScheme(builder, fingerprintScheme):
+    return ModelIdentityAddFingerprintScheme(builder, fingerprintScheme)
 def ModelIdentityEnd(builder): return builder.EndObject()
 def End(builder):
     return ModelIdentityEnd(builder)
