@@ -98,7 +98,7 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
     _fail(layer >= h.num_layers, LayoutError, "LAYER_OUT_OF_RANGE", "KVW-CHUNK-1", "layer index out of range")
     features = h.required_features
     _fail(~R.enabled_codes("component", features)[comp], LayoutError, "ENUM_OUT_OF_RANGE", "KVW-CHUNK-1",
-          "component code not in the registry (or its feature bit is not set, KVW-EVOL-8)")
+          "component code not in the registry (or its feature bit is not set, KVW-EVOL-9)")
     heads = table.heads[layer, comp]
     _fail(heads == 0, LayoutError, "COMPONENT_INVALID", "KVW-CHUNK-1", "component not stored by this layer's kind")
     _fail((rec["reserved0"] != 0) | (rec["reserved1"] != 0), LayoutError, "RESERVED_NONZERO", "KVW-CHUNK-7",
@@ -106,7 +106,7 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
     flags_unknown = rec["flags"].astype(np.int64) & (R.CHUNK_FLAGS_REQUIRED_MASK & ~R.KNOWN_REQUIRED_CHUNK_FLAGS)
     _fail(flags_unknown != 0, FeatureError, "UNSUPPORTED_FEATURE", "KVW-EVOL-4", "unknown required flag bit")
     _fail(~R.enabled_codes("codec", features)[rec["codec"]], CodecError, "UNKNOWN_CODEC", "KVW-CHUNK-5",
-          "codec not in the registry (or its feature bit is not set, KVW-EVOL-8)")
+          "codec not in the registry (or its feature bit is not set, KVW-EVOL-9)")
 
     t0 = rec["token_start"].astype(np.int64)
     t1 = t0 + rec["token_count"].astype(np.int64)

@@ -282,7 +282,7 @@ def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int, features
     """Rules of one LayerSpec that do not depend on its position (``i`` names it in messages)."""
     if s.kind not in R.LAYER_KINDS or not R.enabled_codes("layer_kind", features)[R.LAYER_KINDS[s.kind]]:
         _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r} (a kind registered by a feature "
-              "needs its required bit, KVW-EVOL-8)")
+              "needs its required bit, KVW-EVOL-9)")
     if s.kind == "shared":
         if s.num_kv_heads or s.head_dim_k or s.head_dim_v or s.window or s.kv_lora_rank or s.qk_rope_head_dim:
             _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions or a window; its source "

@@ -80,7 +80,7 @@ REQUIRED_FEATURES = {
 }
 
 # Codes that a feature registers: outside containers that set the feature's required bit
-# they are out of range, exactly as in a v1.0 container (KVW-EVOL-8).
+# they are out of range, exactly as in a v1.0 container (KVW-EVOL-9).
 FEATURE_GATED = {
     "codec": {"byteplane_zstd": "codec_specs", "fp8": "codec_specs", "int_affine": "codec_specs"},
     "component": {"state": "state_layers", "positions": "sparse"},
