@@ -60,6 +60,8 @@ from kvwire.header import (  # noqa: E402
 )
 from kvwire import limits as L  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "conformance"))  # the add_<name>.py vector sets
+
 VERSION = "1.0"
 PRODUCER = Producer("kvwire-conformance-generator", "1.0")
 
@@ -229,8 +231,12 @@ class Generator:
                 info = {"form": r.form, "chunk_count": r.chunk_count}
             assert _sequential(data) is None, name
         assert loaded.header == header, (name, loaded.header, header)
-        src = kvwire.KVCache(header, cache.layers)
-        assert forge.cache_bytes_equal(loaded, src), name
+        if getattr(cache, "is_sparse", False):  # spec/sparse.md
+            src = kvwire.SparseKVCache(header, cache.layers)
+            assert loaded.equal(src), name
+        else:
+            src = kvwire.KVCache(header, cache.layers)
+            assert forge.cache_bytes_equal(loaded, src), name
         twin = N.make_twin(src, **info)
         twin_text = json.dumps(twin, indent=1) + "\n"
         ext = "kvws" if segments else "kvw"
@@ -1323,7 +1329,14 @@ class pytest_raises:  # a tiny stand-in for pytest.raises (the generator does no
         return True
 
 
+import add_codecs  # noqa: E402  (conformance/, next to this script)
+import add_sparse  # noqa: E402  (spec/sparse.md)
+import add_crossmodel  # noqa: E402  (spec/crossmodel.md)
+
 ADDITIONS = {
+    "crossmodel": add_crossmodel.ADDITION,
+    "codecs": add_codecs.ADDITION,
+    "sparse": add_sparse.ADDITION,
     "engine_layout": {
         "make": gen_engine_layout,
         "spec": "spec/kvwire-v1.md section 5.9 (header field 16, table EngineLayout)",
@@ -1365,7 +1378,9 @@ def add_to_version(target: Path, name: str) -> int:
             print(f"refusing to overwrite existing files in {target}: {clash}", file=sys.stderr)
             return 1
         covered = {e["expected_code"] for e in g.entries if e["kind"] == "invalid"}
-        assert covered <= set(manifest["error_codes"]) - set(manifest["codes_without_vector"]), covered
+        new_codes = covered - set(manifest["error_codes"])  # codes the spec gained after the folder was frozen
+        assert new_codes <= set(spec_error_codes()), new_codes - set(spec_error_codes())
+        assert covered - new_codes <= set(manifest["error_codes"]) - set(manifest["codes_without_vector"]), covered
         for p in new:
             (target / p).parent.mkdir(parents=True, exist_ok=True)
             with open(target / p, "xb") as f:  # "x": fails rather than replace a file
@@ -1373,6 +1388,7 @@ def add_to_version(target: Path, name: str) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     manifest["vectors"] += g.entries
+    manifest["error_codes"] = sorted(set(manifest["error_codes"]) | new_codes)
     manifest["counts"] = {"valid": sum(e["kind"] == "valid" for e in manifest["vectors"]),
                           "invalid": sum(e["kind"] == "invalid" for e in manifest["vectors"])}
     manifest.setdefault("additions", []).append({

@@ -18,6 +18,16 @@ settings.register_profile("kvwire", max_examples=25, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvwire"))
 
 FORMS = ("file", "stream")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: with other processes busy, OpenMP worker spin-waits make a forward pass 30x slower."""
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 CODECS = ("raw", "zstd")
 
 

@@ -82,11 +82,13 @@ def small_cache(layers: int = 2, heads: int = 2, head_dim: int = 8, tokens: int 
 
 def cache_bytes_equal(a: kvwire.KVCache, b: kvwire.KVCache) -> bool:
     """Header equal and every tensor equal bit for bit (compared as uint8)."""
+    from kvwire.state import layer_tensors
     from kvwire.tensors import as_numpy
 
     if a.header != b.header or len(a.layers) != len(b.layers):
         return False
     for la, lb in zip(a.layers, b.layers):
+        la, lb = dict(layer_tensors(la)), dict(layer_tensors(lb))  # state tensors by name (spec/crossmodel.md)
         if set(la) != set(lb):
             return False
         for comp in la:

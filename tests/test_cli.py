@@ -122,7 +122,7 @@ def test_validate_as_a_subprocess(synth_file, tmp_path):
 
 
 def test_demo(capsys):
-    assert main(["demo", "--layers", "2", "--tokens", "300"]) == 0
+    assert main(["demo", "--synthetic", "--layers", "2", "--tokens", "300"]) == 0
     out = capsys.readouterr().out
     assert "round trip bit-exact: True" in out
     assert "chunk view shares the mapping: True" in out

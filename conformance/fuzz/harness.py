@@ -35,6 +35,19 @@ def _touch(x) -> int:
     return int(a.view(np.uint8).sum()) if a.size else 0
 
 
+def _touch_all(obj) -> None:
+    """Read every decoded tensor of a cache: dense layers are dicts, sparse layers lists of
+    per-head dicts (spec/sparse.md), state layers dicts of named tensors."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _touch_all(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _touch_all(v)
+    else:
+        _touch(obj)
+
+
 def check(data: bytes) -> str:
     """Run both readers on ``data``; return "ok" or the error code. Raises on a finding."""
     import kvwire
@@ -45,11 +58,10 @@ def check(data: bytes) -> str:
         with kvwire.open(data, max_decoded_bytes=MAX_DECODED) as r:
             r.validate()
             cache = r.load()
-            for layer in cache.layers:
-                for x in layer.values():
-                    _touch(x)
-            for layer, comp, t0, x in r.iter_chunks():
-                ra_chunks[layer, comp, t0] = bytes(memoryview(x.reshape(-1).view("u1")))
+            _touch_all(cache.layers)
+            heads = r.records["head_start"]
+            for i, (layer, comp, t0, x) in enumerate(r.iter_chunks()):
+                ra_chunks[layer, comp, int(heads[i]), t0] = bytes(memoryview(x.reshape(-1).view("u1")))
         ra = "ok"
     except FormatError as exc:
         ra = exc.code
@@ -62,7 +74,7 @@ def check(data: bytes) -> str:
             for ev in dec.events():
                 if isinstance(ev, kvwire.ChunkEvent):
                     _touch(ev.data)
-                    seq_chunks[ev.layer, ev.component, ev.token_start] = bytes(
+                    seq_chunks[ev.layer, ev.component, ev.head_start, ev.token_start] = bytes(
                         memoryview(ev.data.reshape(-1).view("u1")))
         for ev in dec.events():
             pass

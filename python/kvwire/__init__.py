@@ -23,15 +23,24 @@ from . import layouts
 from .header import (
     Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
+from .codec_spec import CodecSpec
 from .reader import Reader, load, open, probe
+from .crossmodel_header import PrefixChain, StateTensor
+from .identity import LocalModel, Verdict, check_compatible
+from .prefix import PrefixIndex, covered_tokens, prefix_hashes
+from .sparse import SparseInfo, SparseKVCache
 from .version import __version__
 from .writer import Encoder, encode, iter_buffers, save
 from . import stream
+from . import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
+from .plan import Plan, plan  # after the submodule import, kvwire.plan is the function
 
 __all__ = [
-    "Architecture", "ChecksumError", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",
+    "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",
     "FormatError", "Header",
     "HeaderError", "KVCache", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
-    "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "TokenRange", "TruncatedError",
-    "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "probe", "save", "stream",
+    "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "SparseInfo", "SparseKVCache", "TokenRange", "TruncatedError",
+    "LocalModel", "PrefixChain", "PrefixIndex", "StateTensor", "Verdict", "check_compatible", "covered_tokens",
+    "prefix_hashes",
+    "Plan", "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "plan", "probe", "save", "stream",
 ]

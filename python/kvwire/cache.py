@@ -3,6 +3,8 @@
 Each stored layer maps component name ("k", "v" or "latent") to one tensor of shape
 [heads, tokens, head_dim] (the canonical body layout, KVW-CHUNK-4), where tokens is the
 layer's own token count (a sliding-window layer may hold fewer than a full one).
+A state layer (SSM / linear attention, spec/crossmodel.md) maps "state" to
+``{name: tensor}``, each tensor in the shape and dtype its ``StateTensor`` declares.
 Tensors may be numpy arrays or torch tensors; the header says what they mean.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from .header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
+from .state import check_state_tensors, layer_tensors
 from .tensors import as_numpy, dtype_name, is_torch
 
 
@@ -24,6 +27,9 @@ class KVCache:
         for i, (spec, r, layer) in enumerate(zip(header.arch.layers, header.layer_tokens, layers)):
             if set(layer) != set(spec.components):
                 raise ValueError(f"layer {i} ({spec.kind}) needs components {spec.components}, got {tuple(layer)}")
+            if spec.kind == "state":  # {"state": {name: tensor}}, each in its declared shape and dtype
+                check_state_tensors(spec, i, layer["state"], header.token_count)
+                continue
             for comp, x in layer.items():
                 want = spec.shape(comp, r.count)
                 if tuple(x.shape) != want:
@@ -81,9 +87,13 @@ class KVCache:
     def values(self, layer: int):
         return self.layers[layer].get("v")
 
+    def state(self, layer: int) -> dict:
+        """{name: tensor} of a state layer (spec/crossmodel.md); empty for other layers."""
+        return self.layers[layer].get("state", {})
+
     @property
     def nbytes(self) -> int:
-        return sum(as_numpy(x).nbytes for layer in self.layers for x in layer.values())
+        return sum(as_numpy(x).nbytes for layer in self.layers for _, x in layer_tensors(layer))
 
     def with_header(self, **changes) -> "KVCache":
         """Same tensors, header fields replaced (e.g. ``chunk_tokens``, ``model``)."""
@@ -94,16 +104,17 @@ class KVCache:
         if self.header != other.header:
             return False
         for a, b in zip(self.layers, other.layers):
-            if a.keys() != b.keys():
+            ta, tb = dict(layer_tensors(a)), dict(layer_tensors(b))
+            if a.keys() != b.keys() or ta.keys() != tb.keys():
                 return False
-            for comp in a:
-                x, y = as_numpy(a[comp]), as_numpy(b[comp])
+            for comp in ta:
+                x, y = as_numpy(ta[comp]), as_numpy(tb[comp])
                 if x.shape != y.shape or x.tobytes() != y.tobytes():
                     return False
         return True
 
     def __repr__(self) -> str:
         h = self.header
-        backend = "torch" if any(is_torch(x) for layer in self.layers for x in layer.values()) else "numpy"
+        backend = "torch" if any(is_torch(x) for layer in self.layers for _, x in layer_tensors(layer)) else "numpy"
         return (f"KVCache({h.num_layers} layers, {h.token_count} tokens, {h.dtype}, {backend}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")

@@ -17,7 +17,11 @@ from . import limits as L
 from . import registry as R
 from .container import FRAME_SIZE, PREAMBLE_SIZE
 from .errors import CodecError, FeatureError, LayoutError, LimitError
+from .codec_spec import FEATURE_BIT as CODEC_SPECS_BIT
+from .codec_spec import check_spec_refs
 from .header import Header
+from .state import STATE, STATE_CODECS, state_rows, state_tables
+from .sparse_header import SparseTable, check_sparse_records
 
 NCOMP = len(R.COMPONENTS)
 
@@ -42,6 +46,8 @@ def planned_chunks(h: Header):
     """(layer, component, token_start, token_count) of every chunk, layer-major."""
     for layer, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
         for comp in spec.components:
+            if comp == "state":  # one chunk per state tensor, off the grid: state.planned_state_chunks
+                continue
             for t0, n in grid(r.start, r.count, h.chunk_tokens):
                 yield layer, comp, t0, n
 
@@ -57,9 +63,12 @@ class ChunkTable:
     base: np.ndarray  # [L, NCOMP] slot of the component's first chunk
     counts: np.ndarray  # [L, NCOMP] chunks of the component
     total: int  # chunks the header implies
+    state: tuple | None = None  # state.state_tables(h): state tensor counts and sizes (spec/crossmodel.md)
 
     @classmethod
     def of(cls, h: Header) -> "ChunkTable":
+        if h.sparse is not None:  # per-(layer, head) grids (spec/sparse.md)
+            return SparseTable.of(h)
         n = h.num_layers
         rows: dict[int, tuple[list, list]] = {}  # per distinct LayerSpec object
         for spec in h.arch.layers:
@@ -76,9 +85,12 @@ class ChunkTable:
         C = h.chunk_tokens
         cells = np.where(stop > start, (stop - 1) // C - start // C + 1, 0)
         counts = np.where(heads > 0, cells[:, None], 0)
+        state = state_tables(h)
+        if state is not None:  # a state layer has one chunk per state tensor (KVW-STATE-7)
+            counts[:, STATE] = np.where(cells > 0, state[0], 0)
         flat = counts.reshape(-1)
         base = (np.cumsum(flat) - flat).reshape(n, NCOMP)
-        return cls(heads, dims, start, stop, base, counts, int(flat.sum()))
+        return cls(heads, dims, start, stop, base, counts, int(flat.sum()), state)
 
     def slot(self, layer: int, component: int, token_start: int, chunk_tokens: int) -> int:
         return int(self.base[layer, component] + token_start // chunk_tokens - self.start[layer] // chunk_tokens)
@@ -92,7 +104,6 @@ def _fail(mask: np.ndarray, exc, code: str, rule: str, what: str) -> None:
 
 def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
     """Per-record rules (KVW-CHUNK-1..7); returns each record's slot in the chunk grid."""
-    C = h.chunk_tokens
     layer = rec["layer"].astype(np.int64)
     comp = rec["component"].astype(np.int64)
     _fail(layer >= h.num_layers, LayoutError, "LAYER_OUT_OF_RANGE", "KVW-CHUNK-1", "layer index out of range")
@@ -101,29 +112,53 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
           "component code not in the registry (or its feature bit is not set, KVW-EVOL-9)")
     heads = table.heads[layer, comp]
     _fail(heads == 0, LayoutError, "COMPONENT_INVALID", "KVW-CHUNK-1", "component not stored by this layer's kind")
-    _fail((rec["reserved0"] != 0) | (rec["reserved1"] != 0), LayoutError, "RESERVED_NONZERO", "KVW-CHUNK-7",
-          "reserved field is not zero")
+    specs_on = bool(features & CODEC_SPECS_BIT)  # reserved0 is codec_spec (spec/codecs.md, KVW-CSPEC-9)
+    _fail(((rec["reserved0"] != 0) & (not specs_on)) | (rec["reserved1"] != 0), LayoutError, "RESERVED_NONZERO",
+          "KVW-CHUNK-7", "reserved field is not zero")
     flags_unknown = rec["flags"].astype(np.int64) & (R.CHUNK_FLAGS_REQUIRED_MASK & ~R.KNOWN_REQUIRED_CHUNK_FLAGS)
     _fail(flags_unknown != 0, FeatureError, "UNSUPPORTED_FEATURE", "KVW-EVOL-4", "unknown required flag bit")
     _fail(~R.enabled_codes("codec", features)[rec["codec"]], CodecError, "UNKNOWN_CODEC", "KVW-CHUNK-5",
           "codec not in the registry (or its feature bit is not set, KVW-EVOL-9)")
+    if specs_on:
+        check_spec_refs(h, rec)
 
-    t0 = rec["token_start"].astype(np.int64)
-    t1 = t0 + rec["token_count"].astype(np.int64)
-    lo, hi = table.start[layer], table.stop[layer]
-    bad_grid = (t1 <= t0) | (t0 < lo) | (t1 > hi) | ((t0 != lo) & (t0 % C != 0)) | ((t1 != hi) & (t1 % C != 0)) \
-        | (t0 // C != (t1 - 1) // C)
-    _fail(bad_grid, LayoutError, "CHUNK_BOUNDARY", "KVW-CHUNK-2",
-          "token range is not one cell of the chunk grid within the layer's tokens")
-    _fail((rec["head_start"] != 0) | (rec["head_count"] != heads), LayoutError, "HEAD_RANGE", "KVW-CHUNK-3",
-          "head range must cover all heads of the component")
-    expected = heads * (t1 - t0) * table.dims[layer, comp] * h.itemsize
-    _fail(rec["raw_length"].astype(np.int64) != expected, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4",
-          "raw_length != heads x tokens x head_dim x dtype size")
+    if h.sparse is not None:  # grid, heads and raw_length per (layer, head) (spec/sparse.md)
+        slots = check_sparse_records(h, table, rec, layer, comp, _fail)
+    else:
+        slots = _check_dense_grid(h, table, rec, layer, comp)
     stored = rec["stored_length"]
     _fail(stored == 0, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4", "stored_length is 0")
     _fail((rec["codec"] == R.CODECS["raw"]) & (stored != rec["raw_length"]), CodecError, "RAW_LENGTH_MISMATCH",
           "KVW-CHUNK-6", "raw codec with stored_length != raw_length")
+    return slots
+
+
+def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray):
+    """KVW-CHUNK-2, KVW-CHUNK-3 and raw_length (KVW-CHUNK-4); returns the slots."""
+    C = h.chunk_tokens
+    heads = table.heads[layer, comp]
+    t0 = rec["token_start"].astype(np.int64)
+    t1 = t0 + rec["token_count"].astype(np.int64)
+    lo, hi = table.start[layer], table.stop[layer]
+    st = state_rows(table.state, rec, layer, comp)
+    head_max = 0
+    if st is not None:  # a state chunk: one cell spanning the layer, head_start names the tensor (KVW-STATE-7)
+        _fail(st.mask & (~np.isin(rec["codec"], STATE_CODECS) | (rec["reserved0"] != 0)), LayoutError,
+              "STATE_INVALID", "KVW-STATE-8", "state chunk with a codec other than raw or zstd, or a codec spec")
+        C, head_max = np.where(st.mask, np.maximum(hi, 1), C), st.head_max
+    bad_grid = (t1 <= t0) | (t0 < lo) | (t1 > hi) | ((t0 != lo) & (t0 % C != 0)) | ((t1 != hi) & (t1 % C != 0)) \
+        | (t0 // C != (t1 - 1) // C)
+    _fail(bad_grid, LayoutError, "CHUNK_BOUNDARY", "KVW-CHUNK-2",
+          "token range is not one cell of the chunk grid within the layer's tokens")
+    _fail((rec["head_start"] > head_max) | (rec["head_count"] != heads), LayoutError, "HEAD_RANGE", "KVW-CHUNK-3",
+          "head range must cover all heads of the component")
+    expected = heads * (t1 - t0) * table.dims[layer, comp] * h.itemsize
+    if st is not None:
+        expected = np.where(st.mask, st.nbytes, expected)
+    _fail(rec["raw_length"].astype(np.int64) != expected, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4",
+          "raw_length != heads x tokens x head_dim x dtype size")
+    if st is not None:
+        return table.base[layer, comp] + np.where(st.mask, rec["head_start"], t0 // C - lo // C)
     return table.base[layer, comp] + t0 // C - lo // C
 
 

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-import time
 from dataclasses import asdict
 
-import numpy as np
-
 from . import registry as R
+from .codecs import PRESETS
 from .errors import FormatError
 from .reader import open as kv_open
 from .synth import synth_cache
@@ -58,11 +54,22 @@ def cmd_inspect(args) -> int:
         print(f"  model      type={h.model.model_type!r} id={h.model.model_id!r} revision={h.model.revision!r}")
         print(f"  tokens     {h.token_count} from position {h.first_position}, chunks of {h.chunk_tokens}")
         print(f"  dtype      {h.dtype}, alignment {h.alignment}, checksum {h.checksum_algorithm}")
+        for i, spec in enumerate(h.codec_specs, 1):  # spec/codecs.md: non-default parameters only
+            params = ", ".join(f"{k}={v}" for k, v in asdict(spec).items() if k != "codec"
+                               and v != getattr(type(spec)(), k))
+            print(f"  codec {i:<4} {spec.codec}" + (f" ({params})" if params else ""))
+        if h.sparse is not None:  # spec/sparse.md: tokens per (layer, kv head), layer-major
+            sp = h.sparse
+            print(f"  sparse     {sp.method or '-'}, next position {sp.next_position}, sinks {sp.sink_tokens}, "
+                  f"window {sp.window_tokens}; retained {list(sp.retained_counts[:64])}"
+                  + (" ..." if len(sp.retained_counts) > 64 else ""))
         print(f"  chunks     {c['chunks']} ({', '.join(c['codecs']) or '-'}), "
               f"stored {c['stored_bytes']} / raw {c['raw_bytes']} bytes")
         print(f"  layers     {h.num_layers}")
         for i, (spec, tr) in enumerate(zip(h.arch.layers, h.layer_tokens)):
-            dims = ", ".join(f"{comp}{list(spec.shape(comp, tr.count))}" for comp in spec.components)
+            dims = ", ".join(f"{comp}{list(spec.shape(comp, tr.count))}" for comp in spec.components
+                             if comp != "state") + ", ".join(f"{t.name}{list(t.shape)} {t.dtype}"
+                                                             for t in spec.state_tensors)  # spec/crossmodel.md
             extra = f" window={spec.window}" if spec.window else ""
             extra += f" source={spec.source_layer}" if spec.kind == "shared" else ""
             print(f"    {i:4d} {spec.kind:<18} tokens [{tr.start}, {tr.stop}) {dims}{extra}")
@@ -92,29 +99,12 @@ def cmd_synth(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Synthesize a Llama-3-8B-shaped cache, save it, reopen zero-copy, verify, report."""
-    cache = synth_cache(args.layers, 8, 128, args.tokens, seed=0, model_type="llama")
-    raw = cache.nbytes
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "demo.kvw")
-        t0 = time.perf_counter()
-        size = save(path, cache)
-        t_save = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with kv_open(path) as r:
-            t_open = time.perf_counter() - t0
-            k0 = r.chunk(0, "k", 0)
-            zero_copy = np.shares_memory(k0, np.frombuffer(r._buf, np.uint8))
-            t0 = time.perf_counter()
-            loaded = r.load()
-            t_load = time.perf_counter() - t0
-        same = loaded.equal(cache)
-    print(f"kvwire demo: {cache}")
-    print(f"  save   {size / 2**20:8.1f} MiB in {t_save * 1e3:7.1f} ms  ({size / t_save / 1e9:5.2f} GB/s, atomic)")
-    print(f"  open   zero-copy in {t_open * 1e3:7.3f} ms  (chunk view shares the mapping: {zero_copy})")
-    print(f"  load   checksums verified in {t_load * 1e3:7.1f} ms  ({raw / t_load / 1e9:5.2f} GB/s)")
-    print(f"  round trip bit-exact: {same}")
-    return 0 if same and zero_copy else 1
+    """End to end on a small transformers model (``--synthetic``: the core alone)."""
+    from . import demo
+
+    if args.synthetic:
+        return demo.synthetic(args.layers or 32, args.tokens or 2048)
+    return demo.run(args.layers, args.tokens, args.new_tokens)
 
 
 def main(argv=None) -> int:
@@ -135,17 +125,27 @@ def main(argv=None) -> int:
     s.add_argument("--tokens", type=int, default=512)
     s.add_argument("--dtype", default="bf16", choices=sorted(R.DTYPES))
     s.add_argument("--chunk-tokens", type=int, default=256)
-    s.add_argument("--codec", default="raw", choices=sorted(R.CODECS))
+    s.add_argument("--codec", default="raw", choices=sorted(R.CODECS) + sorted(PRESETS),
+                   help="a registry codec or a preset of spec/codecs.md (kvwire.codecs.PRESETS)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_synth)
-    s = sub.add_parser("demo", help="synthesize, save, reopen zero-copy, verify")
-    s.add_argument("--layers", type=int, default=32)
-    s.add_argument("--tokens", type=int, default=2048)
+    s = sub.add_parser("demo", help="prefill with a small model, save, continue in a fresh process; "
+                                    "--synthetic: synthesize, save, reopen zero-copy, verify")
+    s.add_argument("--synthetic", action="store_true", help="the core-only demo on a synthetic Llama-3-8B-shaped "
+                                                            "cache (the fallback without torch/transformers)")
+    s.add_argument("--layers", type=int, default=None, help="model layers (default 4; synthetic: 32)")
+    s.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 512; synthetic: 2048)")
+    s.add_argument("--new-tokens", type=int, default=16, help="tokens generated from the loaded cache")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("conformance", help="conformance kit: run the gold vectors against an implementation")
     from .conformance.cli import configure as configure_conformance
 
     configure_conformance(s)
+    from .fidelity import configure_cli as configure_fidelity
+    from .plan import configure_cli as configure_plan
+
+    configure_fidelity(sub.add_parser("fidelity", help="bits per element and model-level fidelity of codecs"))
+    configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))
     args = p.parse_args(argv)
     try:
         return args.func(args)

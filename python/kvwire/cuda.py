@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from .cache import KVCache
-from .codecs import decode_body
 from .tensors import torch_dtype
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32"}
@@ -323,7 +322,7 @@ def host_chunk(reader, i: int, verify: bool, stored=None):
         c, stored = reader._stored(i, verify)
     else:
         c = reader._info(i)
-    data = stored if c.codec == "raw" else decode_body(c.codec, stored, c.raw_length)
+    data = stored if c.codec == "raw" else reader.decode_stored(i, c, stored)
     itemsize = reader.header.itemsize
     arr = np.frombuffer(data, _INT_OF_SIZE[itemsize], c.raw_length // itemsize).reshape(c.shape)
     with warnings.catch_warnings():  # read-only container bytes: only ever read from
@@ -339,6 +338,8 @@ def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | N
     bodies are copied straight from it. ``stream`` selects the copy engine (default: a
     ``CudaStream``; tests pass a ``SimulatedStream`` and a CPU device)."""
     h = reader.header
+    if any(s.kind == "state" for s in h.arch.layers):  # per-tensor dtypes and shapes (spec/crossmodel.md)
+        raise ValueError("load_to_device does not place state layers yet: load on the host, then move them")
     stream = (ring.stream if ring is not None else None) or stream_for(device, stream)
     if stream is None:
         raise ValueError(f"load_to_device needs a CUDA device or an explicit stream, not {device!r}")
@@ -365,7 +366,7 @@ def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | N
             continue
         slot = ring.acquire(c.raw_length)
         host = ring.host[slot][: c.raw_length]
-        decode_body(c.codec, stored, c.raw_length, out=host.numpy())
+        reader.decode_stored(j, c, stored, out=host.numpy())
         src = int_view(host.view(dt)).view(c.shape)
         ring.launch(slot, lambda d=d, s=src: d.copy_(s, non_blocking=True))
     stream.synchronize()

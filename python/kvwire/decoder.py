@@ -37,7 +37,7 @@ import xxhash
 
 from . import registry as R
 from .chunks import ChunkTable, check_record_fields, on_grid
-from .codecs import decode_body
+from .codecs import decode_chunk
 from .container import (
     END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
     next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer, xxh3,
@@ -46,6 +46,8 @@ from .errors import ChecksumError, LayoutError, LimitError, TruncatedError
 from .header import Header, parse_header
 from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
 from .reader import _check_version
+from .sparse_header import PositionOrder, decode_positions
+from .state import state_tensor_of
 from .tensors import as_numpy, as_uint, view
 
 # ChunkRecord fields in RECORD_DTYPE order: offset, stored_length, raw_length, checksum, token_start,
@@ -56,6 +58,8 @@ assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize
 _PLAIN_COMPONENT = R.COMPONENTS["latent"]
 _PLAIN_CODEC = R.CODECS["zstd"]
 _OFFSET, _STORED, _RAW, _CHECKSUM, _T0, _COUNT, _LAYER, _COMP, _CODEC = range(9)
+_HEAD0, _HEADS = 10, 11
+_SPEC = 12  # reserved0: codec_spec with the codec_specs feature (spec/codecs.md)
 IOV_MAX = 1024  # most buffers one readv / recvmsg_into call accepts on Linux
 TAIL_READ = 64 << 10  # read size after the end frame while looking for a file-form tail
 
@@ -71,6 +75,7 @@ class ChunkEvent:
     component: str
     token_start: int
     data: object  # [heads, tokens, head_dim], owned by the event (or the caller's placement)
+    head_start: int = 0  # sparse containers: the chunk's one head; data is then [1, tokens, dim] or positions
 
 
 class Placed(NamedTuple):
@@ -304,6 +309,8 @@ class StreamDecoder:
         self._filled = bytearray(self._table.total)
         t = self._table
         self._geom = (t.heads.tolist(), t.dims.tolist(), t.start.tolist(), t.stop.tolist(), t.base.tolist())
+        if self.header.sparse is not None:  # per-head grids: every record takes the full check
+            self._geom, self._order = None, PositionOrder(self.header.chunk_tokens)
         self._consume(end)
         self._pos = end
         self._state = "frame"
@@ -360,7 +367,7 @@ class StreamDecoder:
         canonical lengths), without numpy; None for anything else, which then goes to
         ``check_record_fields``. Accepts only what that check accepts (tested)."""
         (_, stored, raw, _, t0, n, layer, comp, codec, flags, head_start, head_count, r0, r1) = rec
-        if layer >= self.header.num_layers or comp > _PLAIN_COMPONENT or flags or r0 or r1 or head_start \
+        if self._geom is None or layer >= self.header.num_layers or comp > _PLAIN_COMPONENT or flags or r0 or r1 or head_start \
                 or codec > _PLAIN_CODEC or stored == 0:
             return None
         heads, dims, start, stop, base = self._geom
@@ -378,6 +385,8 @@ class StreamDecoder:
         """(data, pieces or None) of the placement for this record, or (None, None)."""
         if self.placement is None:
             return None, None
+        if self.header.sparse is not None:
+            raise ValueError("placement is not supported for sparse containers (chunks hold one head each)")
         layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
         t0, n = rec[_T0], rec[_COUNT]
         dst = self.placement(layer, comp, t0, n)
@@ -405,6 +414,10 @@ class StreamDecoder:
         layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
         codec = R.CODEC_BY_CODE[rec[_CODEC]]
         shape = self.header.arch.layers[layer].shape(comp, rec[_COUNT])
+        shape = (rec[_HEADS], *shape[1:])  # all heads, or the one head of a sparse chunk
+        dtype = self.header.dtype
+        if comp == "state":  # one named state tensor in its own shape and dtype (spec/crossmodel.md)
+            dtype, shape = state_tensor_of(self.header, layer, rec[_HEAD0])
         dst, pieces = self._dst, self._pieces
         if pieces is not None:  # received in place ("into" mode)
             stored = pieces[0] if len(pieces) == 1 else None
@@ -420,10 +433,14 @@ class StreamDecoder:
                 if hasher.intdigest() != rec[_CHECKSUM]:
                     raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
             if codec != "raw":
-                raw = decode_body(codec, stored, rec[_RAW])
+                raw = decode_chunk(self.header, codec, rec[_SPEC], stored, rec[_RAW], shape, layer, rec[_T0])
             else:
                 raw = stored
-            if dst is not None:
+            if comp == "positions":  # sparse: int64 positions, checked against the previous and next cells
+                data = decode_positions(raw, rec[_COUNT], self.header.first_position,
+                                        self.header.sparse.next_position)
+                self._order.add(layer, rec[_HEAD0], rec[_T0], data)
+            elif dst is not None:
                 if pieces is None or codec != "raw":  # not received in place: one copy into the placement
                     src, at = memoryview(raw).cast("B"), 0
                     for p in self._dst_pieces or _head_pieces(dst):
@@ -432,7 +449,7 @@ class StreamDecoder:
                     src.release()
                 data = dst
             else:
-                data = view(raw if codec == "raw" else bytearray(raw), 0, self.header.dtype, shape, self.backend)
+                data = view(raw if codec == "raw" else bytearray(raw), 0, dtype, shape, self.backend)
         finally:
             if isinstance(stored, memoryview) and pieces is None:
                 stored.release()  # the stream buffer must be resizable again
@@ -440,7 +457,7 @@ class StreamDecoder:
         self._consume(off + length)
         self._pos = off + length
         self._state = "frame"
-        return ChunkEvent(layer, comp, rec[_T0], data)
+        return ChunkEvent(layer, comp, rec[_T0], data, rec[_HEAD0])
 
     def _end(self, body: bytes) -> None:
         count, digest = parse_end_frame(body)

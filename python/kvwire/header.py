@@ -29,7 +29,11 @@ from .fbs import ModelIdentity as fbModel
 from .fbs import Producer as fbProducer
 from .fbs import RopeParams as fbRope
 from .fbs import TokenRange as fbRange
+from .codec_spec import build_codec_specs, check_codec_specs, read_codec_specs
 from .flatbuf import Buffer, Table
+from .sparse_header import SparseInfo, build_sparse, check_sparse, read_sparse
+from . import crossmodel_header as XM
+from .crossmodel_header import PrefixChain, StateTensor
 from .version import __version__
 
 HEADER_IDENTIFIER = b"KVWH"
@@ -67,6 +71,7 @@ class RopeParams:
     long_factor: tuple[float, ...] = ()
     mrope_section: tuple[int, ...] = ()
     seq_len_at_encode: int = 0
+    truncate: bool = True  # yarn: correction range rounded to whole dimensions
 
 
 # (attribute, field id, struct code, enum registry or None); defaults are the dataclass's,
@@ -76,7 +81,7 @@ _ROPE_SCALARS = [
     ("interleaved", 3, "?", None), ("factor", 4, "d", None), ("original_max_position_embeddings", 5, "I", None),
     ("low_freq_factor", 6, "d", None), ("high_freq_factor", 7, "d", None), ("beta_fast", 8, "d", None),
     ("beta_slow", 9, "d", None), ("attention_factor", 10, "d", None), ("mscale", 11, "d", None),
-    ("mscale_all_dim", 12, "d", None), ("seq_len_at_encode", 16, "Q", None),
+    ("mscale_all_dim", 12, "d", None), ("seq_len_at_encode", 16, "Q", None), ("truncate", 17, "?", None),
 ]
 
 
@@ -94,6 +99,7 @@ class LayerSpec:
     rope: RopeParams | None = None
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    state_tensors: tuple[StateTensor, ...] = ()  # kind "state" only (spec/crossmodel.md)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -144,6 +150,10 @@ class ModelIdentity:
     tokenizer_fingerprint: bytes = b""
     weights_fingerprint: bytes = b""
     compat_fingerprint: bytes = b""
+    framework: str = ""  # library that computed the KV, e.g. "transformers" (spec/crossmodel.md)
+    framework_version: str = ""
+    layer_weights_fingerprints: bytes = b""  # 32 bytes per layer (KVW-ID-7)
+    fingerprint_scheme: int = 0  # 0: opaque (v1.0), 1: spec/crossmodel.md
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,9 @@ class Header:
     format_major: int = R.FORMAT_MAJOR
     format_minor: int = R.FORMAT_MINOR
     engine_layout: EngineLayout | None = None
+    sparse: SparseInfo | None = None  # per-(layer, kv head) token subsets (spec/sparse.md)
+    codec_specs: tuple = ()  # CodecSpec pipelines that chunk records name (spec/codecs.md)
+    prefix: PrefixChain | None = None  # prefix hash chain (spec/crossmodel.md)
 
     def __post_init__(self):
         if self.layer_tokens is None:
@@ -274,8 +287,13 @@ def check_header(h: Header) -> None:
               "exceeds the limits", LimitError)
     _check_arch(h.arch, h.itemsize, h.chunk_tokens, h.required_features)
     _check_layer_tokens(h)
+    check_sparse(h)
+    XM.check_state_layers(h)
     _check_layer_map(h)
+    XM.check_prefix(h)
+    XM.check_fingerprints(h)
     _check_metadata(h.metadata)
+    check_codec_specs(h)
 
 
 def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int, features: int = 0) -> None:
@@ -283,6 +301,9 @@ def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int, features
     if s.kind not in R.LAYER_KINDS or not R.enabled_codes("layer_kind", features)[R.LAYER_KINDS[s.kind]]:
         _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r} (a kind registered by a feature "
               "needs its required bit, KVW-EVOL-9)")
+    XM.check_state_spec(s, i)
+    if s.kind == "state":
+        return
     if s.kind == "shared":
         if s.num_kv_heads or s.head_dim_k or s.head_dim_v or s.window or s.kv_lora_rank or s.qk_rope_head_dim:
             _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions or a window; its source "
@@ -357,6 +378,7 @@ def _check_layer_map(h: Header) -> None:
                       f"outside [0, {h.num_layers})")
         elif e.transmitted_layer != -1:
             _fail("LAYER_MAP_INVALID", "KVW-MAP-1", f"{e.op} entry must have transmitted_layer -1")
+    XM.check_layer_map_order(h.layer_map)
 
 
 def _check_metadata(md: dict) -> None:
@@ -414,10 +436,13 @@ def _build_arch(b, arch: Architecture) -> int:
     spec_offs = []
     for s in distinct:
         r = rope_off(s.rope) if s.rope is not None else None
+        state = XM.build_state_tensors(b, s.state_tensors) if s.state_tensors else None
         fbLayer.Start(b)
         _add_scalars(b, s, _LAYER_SCALARS)
         if r is not None:
             fbLayer.AddRope(b, r)
+        if state is not None:
+            fbLayer.AddStateTensors(b, state)
         spec_offs.append(fbLayer.End(b))
     fbArch.StartLayerSpecsVector(b, len(spec_offs))
     for off in reversed(spec_offs):
@@ -471,6 +496,7 @@ def check_writable(h: Header) -> None:
     if any(len(b) > L.MAX_BYTES_LENGTH for b in blobs) or any(
             len(v) > L.MAX_ROPE_FACTORS for r in ropes for v in (r.short_factor, r.long_factor, r.mrope_section)):
         raise ValueError("a fingerprint or RoPE factor list exceeds its limit (KVW-LIM-1)")
+    XM.check_writable(h)
 
 
 def check_engine_layout(e: EngineLayout) -> None:
@@ -519,12 +545,14 @@ def build_header(h: Header) -> bytes:
     if "version" in ps:
         fbProducer.AddVersion(b, ps["version"])
     producer = fbProducer.End(b)
-    model_fields = [f.name for f in fields(ModelIdentity)]
+    model_fields = [f.name for f in fields(ModelIdentity)][:-1]  # field i has id i; the last is a scalar
     ms = _build_strings(b, h.model, model_fields)
     fbModel.Start(b)
     for fid, name in enumerate(model_fields):
         if name in ms:
             b.PrependUOffsetTRelativeSlot(fid, ms[name], 0)
+    if h.model.fingerprint_scheme:
+        fbModel.AddFingerprintScheme(b, h.model.fingerprint_scheme)
     model = fbModel.End(b)
 
     layer_map = None
@@ -553,6 +581,9 @@ def build_header(h: Header) -> bytes:
             b.PrependUOffsetTRelative(off)
         metadata = b.EndVector()
     engine = _build_engine_layout(b, h.engine_layout) if h.engine_layout is not None else None
+    sparse = build_sparse(b, h.sparse) if h.sparse is not None else None
+    codec_specs = build_codec_specs(b, h.codec_specs)
+    prefix = XM.build_prefix(b, h.prefix) if h.prefix is not None else None
 
     fbHeader.Start(b)
     fbHeader.AddFormatMajor(b, h.format_major)
@@ -576,6 +607,12 @@ def build_header(h: Header) -> bytes:
         fbHeader.AddCustomMetadata(b, metadata)
     if engine is not None:
         fbHeader.AddEngineLayout(b, engine)
+    if sparse is not None:
+        fbHeader.AddSparse(b, sparse)
+    if codec_specs is not None:
+        fbHeader.AddCodecSpecs(b, codec_specs)
+    if prefix is not None:
+        fbHeader.AddPrefix(b, prefix)
     b.Finish(fbHeader.End(b), file_identifier=HEADER_IDENTIFIER)
     return bytes(b.Output())
 
@@ -636,6 +673,7 @@ def _read_arch(t: Table) -> Architecture:
     for st in t.tables(2, L.MAX_LAYERS):
         kw = _read_scalars(st, LayerSpec, _LAYER_SCALARS)
         kw["rope"] = _read_rope(st.table(7))
+        kw["state_tensors"] = XM.read_state_tensors(st)
         specs.append(LayerSpec(**kw))
     index = _read_numbers(t, 3, "H", 2, L.MAX_LAYERS)
     if len(index) != num_layers or any(i >= len(specs) for i in index):
@@ -683,8 +721,9 @@ def parse_header(data: bytes) -> Header:
     if model_t is not None:
         names = [f.name for f in fields(ModelIdentity)]
         model = ModelIdentity(*(
-            (model_t.string(i, L.MAX_STRING_LENGTH) or "") if i < 3 else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"")
-            for i in range(len(names))))
+            (model_t.string(i, L.MAX_STRING_LENGTH) or "") if i in (0, 1, 2, 7, 8)
+            else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"") for i in range(len(names) - 1)),
+            fingerprint_scheme=model_t.scalar(10, _S["H"], 0))
     layer_map = tuple(
         LayerMapEntry(r, tl, _enum(R.MAP_OP_BY_CODE, op, "layer map op"))
         for r, tl, op in _read_structs(t, 7, "IiB3x", L.MAX_LAYERS))
@@ -714,6 +753,9 @@ def parse_header(data: bytes) -> Header:
         format_major=t.scalar(0, _S["H"], 0),
         format_minor=t.scalar(1, _S["H"], 0),
         engine_layout=_read_engine_layout(t.table(16)),
+        sparse=read_sparse(t.table(19)),
+        codec_specs=read_codec_specs(t, t.scalar(2, _S["Q"], 0)),
+        prefix=XM.read_prefix(t.table(17)),
     )
     check_header(h)
     return h

@@ -19,13 +19,14 @@ import numpy as np
 from . import registry as R
 from .cache import KVCache
 from .chunks import ChunkTable, check_offsets, check_records
-from .codecs import decode_body
+from .codecs import decode_chunk
 from .container import (
     CHUNK_MARKER, END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, check_zero, has_trailer, header_bytes,
     next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer, xxh3,
 )
 from .errors import ChecksumError, LayoutError, LimitError, TruncatedError, VersionError
 from .header import Header, parse_header
+from .state import read_state_layer, state_tensor_of
 from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from .tensors import as_numpy, as_uint, carve, empty, is_torch, view
 
@@ -171,11 +172,11 @@ class Reader:
         if self._infos is None:
             r, layers = self.records, self.header.arch.layers
             cols = [r[f].tolist() for f in ("offset", "stored_length", "raw_length", "checksum", "layer",
-                                            "component", "token_start", "token_count", "codec")]
-            self._infos = [
+                                            "component", "token_start", "token_count", "codec", "head_count")]
+            self._infos = [  # shape [head_count, tokens, dim]: all heads, or one in a sparse container
                 ChunkInfo(off, sl, rl, cs, ly, R.COMPONENT_BY_CODE[cp], ts, tc, R.CODEC_BY_CODE[cd],
-                          layers[ly].shape(R.COMPONENT_BY_CODE[cp], tc))
-                for off, sl, rl, cs, ly, cp, ts, tc, cd in zip(*cols)]
+                          (hc, tc, layers[ly].shape(R.COMPONENT_BY_CODE[cp], tc)[2]))
+                for off, sl, rl, cs, ly, cp, ts, tc, cd, hc in zip(*cols)]
         return self._infos[i]
 
     def _stored(self, i: int, verify: bool):
@@ -192,15 +193,35 @@ class Reader:
                                 rule="KVW-CSUM-1")
         return c, stored
 
-    def _decode(self, i: int, verify: bool, backend: str):
+    def _decode(self, i: int, verify: bool, backend: str, scratch: bool = False):
+        """Chunk ``i`` as a tensor; ``scratch``: a decoded body may live in a buffer the next
+        call reuses (for callers that copy it at once: no fresh allocation per chunk)."""
+        if self.header.sparse is not None and self._info(i).component == "positions":
+            from .sparse import read_positions  # int64 [tokens], checked (spec/sparse.md)
+
+            return read_positions(self, i, verify)
         c, stored = self._stored(i, verify)
+        dtype, shape = self.header.dtype, c.shape
+        if c.component == "state":  # a named state tensor in its own shape and dtype (spec/crossmodel.md)
+            dtype, shape = state_tensor_of(self.header, c.layer, int(self.records["head_start"][i]))
         if c.codec == "raw":
             if backend == "torch" and self._readonly:
                 # torch has no read-only tensors: a view of bytes would let callers write into them
-                return view(bytearray(stored), 0, self.header.dtype, c.shape, backend)
-            return view(self._buf, c.offset, self.header.dtype, c.shape, backend)
-        data = decode_body(c.codec, stored, c.raw_length)
-        return view(bytearray(data) if backend == "torch" else data, 0, self.header.dtype, c.shape, backend)
+                return view(bytearray(stored), 0, dtype, shape, backend)
+            return view(self._buf, c.offset, dtype, shape, backend)
+        out = None
+        if scratch and backend == "numpy":
+            if len(getattr(self, "_scratch", b"")) < c.raw_length:
+                self._scratch = bytearray(c.raw_length)
+            out = memoryview(self._scratch)[: c.raw_length]
+        data = self.decode_stored(i, c, stored, out)
+        return view(bytearray(data) if backend == "torch" else data, 0, dtype, shape, backend)
+
+    def decode_stored(self, i: int, c: "ChunkInfo", stored, out=None):
+        """Raw bytes of record ``i``'s stored body (or into ``out``), through its codec spec
+        when the record names one (``reserved0``, spec/codecs.md)."""
+        spec = int(self.records["reserved0"][i]) if self.header.codec_specs else 0
+        return decode_chunk(self.header, c.codec, spec, stored, c.raw_length, c.shape, c.layer, c.token_start, out)
 
     # -- whole layers ------------------------------------------------------------------
 
@@ -211,7 +232,11 @@ class Reader:
         ``out`` supplies the destination tensors (e.g. an engine's preallocated buffers);
         otherwise they are allocated.
         """
+        if self.header.sparse is not None:
+            raise ValueError("a sparse container has per-head token subsets: use sparse_layer() or load()")
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
+        if spec.kind == "state":  # {"state": {name: tensor}} (spec/crossmodel.md)
+            return read_state_layer(self, layer, verify, backend)
         if out is None:
             out = {comp: empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
                    for comp in spec.components}
@@ -225,22 +250,46 @@ class Reader:
             for j in range(self.num_chunks(layer, comp)):
                 i = self._index(layer, comp, j)
                 a = self._info(i).token_start - r.start
-                if on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
-                    src = self._decode(i, verify, "numpy")
+                if on_host and self.header.codec_specs and self.records["reserved0"][i]:
+                    c, stored = self._stored(i, verify)  # a codec spec decodes straight into place
+                    self.decode_stored(i, c, stored, out=as_uint(host)[:, a : a + c.token_count, :])
+                elif on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
+                    src = self._decode(i, verify, "numpy", scratch=True)
                     as_uint(host)[:, a : a + src.shape[1], :] = as_uint(src)
                 else:
                     src = self._decode(i, verify, "torch")
                     dst[:, a : a + src.shape[1], :].copy_(src)
         return out
 
+    def layer_for(self, receiver_layer: int):
+        """Where a receiver layer's cache comes from under the header's layer map: a
+        ``kvwire.layermap.LayerSource`` (op, transmitted_layer, owner) (KVW-MAP-6)."""
+        from .layermap import layer_for
+
+        return layer_for(self.header, receiver_layer)
+
+    def sparse_layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None) -> list:
+        """Sparse containers: per kv head of ``layer``, ``{"positions", "k", "v"}`` (spec/sparse.md)."""
+        from .sparse import read_sparse_layer
+
+        if self.header.sparse is None:
+            raise ValueError("not a sparse container: use layer()")
+        return read_sparse_layer(self, layer, verify=verify, backend=backend, device=device)
+
     def load(self, *, verify: bool = True, backend: str = "numpy", device=None) -> KVCache:
-        """The whole cache in memory of its own (one allocation, carved into per-layer tensors)."""
+        """The whole cache in memory of its own (one allocation, carved into per-layer tensors);
+        a ``SparseKVCache`` for a sparse container."""
+        if self.header.sparse is not None:
+            from .sparse import read_sparse
+
+            return read_sparse(self, verify=verify, backend=backend, device=device)
         if device is not None and str(device).startswith("cuda"):
             from .cuda import load_to_device
 
             return load_to_device(self, device, verify=verify)
         h = self.header
-        shapes = [{c: s.shape(c, r.count) for c in s.components} for s, r in zip(h.arch.layers, h.layer_tokens)]
+        shapes = [{c: s.shape(c, r.count) for c in s.components if c != "state"}
+                  for s, r in zip(h.arch.layers, h.layer_tokens)]
         slabs = carve([shape for layer in shapes for shape in layer.values()], h.dtype, backend, device)
         it = iter(slabs)
         return KVCache(h, [self.layer(i, verify=verify, backend=backend, out={c: next(it) for c in shapes[i]})
@@ -256,9 +305,13 @@ class Reader:
             c, stored = self._stored(i, True)  # file form: also compares the frame with the index
             check_zero(buf, end, c.offset - FRAME_SIZE)
             if c.codec != "raw":
-                decode_body(c.codec, stored, c.raw_length)
+                self.decode_stored(i, c, stored)
             end = c.offset + c.stored_length
         check_zero(buf, end, next_frame_offset(end, a))
+        if self.header.sparse is not None:  # positions: encoding and order across cells (spec/sparse.md)
+            from .sparse import read_sparse
+
+            read_sparse(self)
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ GROUP_AXIS_BY_CODE = {v: k for k, v in GROUP_AXES.items()}
 # container (KVW-EVOL-3) instead of misreading it.
 REQUIRED_FEATURES = {
     "codec_specs": 1 << 0,  # ChunkRecord.reserved0 indexes Header.codec_specs (spec/codecs.md)
-    "sparse": 1 << 1,  # Header.sparse: per-(layer, head) token subsets (spec/codecs.md)
+    "sparse": 1 << 1,  # Header.sparse: per-(layer, head) token subsets (spec/sparse.md)
     "state_layers": 1 << 2,  # LayerKind STATE / Component STATE (spec/crossmodel.md)
 }
 
@@ -100,7 +100,8 @@ def enabled_codes(registry: str, required_features: int) -> np.ndarray:
 
 
 # Required-feature bits this reader implements (spec: "Feature registry"). v1.0 defines none.
-KNOWN_REQUIRED_FEATURES = 0
+KNOWN_REQUIRED_FEATURES = (0 | REQUIRED_FEATURES["sparse"] | REQUIRED_FEATURES["codec_specs"]
+                           | REQUIRED_FEATURES["state_layers"])
 KNOWN_OPTIONAL_FEATURES = 0
 # ChunkRecord.flags: bits 0-7 optional (ignored when unknown), bits 8-15 required.
 KNOWN_REQUIRED_CHUNK_FLAGS = 0

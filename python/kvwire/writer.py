@@ -20,13 +20,15 @@ import xxhash
 from . import registry as R
 from .cache import KVCache
 from .chunks import ChunkTable, on_grid, planned_chunks
-from .codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder
+from .codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecPlan
 from .container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
 )
+from .crossmodel_header import with_state_bit
 from .decoder import RECORD_STRUCT
 from .header import Header, build_header
+from .state import planned_state_chunks
 from .tensors import as_numpy, as_uint
 
 FORMS = ("file", "stream")
@@ -36,12 +38,25 @@ class Encoder:
     """Builds one container incrementally: ``begin()``, ``chunk()`` per chunk in any order,
     then ``end()``. Each call returns the buffers to append, in order."""
 
-    def __init__(self, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL):
-        if codec not in R.CODECS:
-            raise ValueError(f"codec must be one of {sorted(R.CODECS)}, not {codec!r}")
+    _SPARSE = False  # kvwire.sparse.SparseEncoder writes sparse headers (spec/sparse.md)
+
+    def __init__(self, header: Header, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL):
+        """``codec``: "raw", "zstd", a preset of ``kvwire.codecs.PRESETS``, a ``CodecSpec``, a
+        mapping ``{(layer, component): codec}`` or a callable ``(layer, component, token_start)
+        -> codec`` (spec/codecs.md); codec specs are added to the header (``Encoder.header``)."""
+        if (header.sparse is not None) != self._SPARSE:
+            raise ValueError("a sparse header is written by kvwire.sparse.SparseEncoder, a dense one by Encoder")
+        header = with_state_bit(header)  # required bits follow from the header (KVW-STATE-1)
+        self._plan = None
+        if self._SPARSE:
+            if codec not in R.CODECS:
+                raise ValueError(f"codec must be one of {sorted(R.CODECS)}, not {codec!r}")
+        else:  # every chunk's pipeline, known before the header is built (spec/codecs.md)
+            self._plan = CodecPlan(header, codec, level)
+            header = self._plan.header
         self.header = header
         self.codec = codec
-        self._bodies = BodyEncoder(codec, level)
+        self._bodies = BodyEncoder(codec if isinstance(codec, str) and codec in ("raw", "zstd") else "raw", level)
         self._header_bytes = build_header(header)  # runs check_header
         self._table = ChunkTable.of(header)
         self._filled = np.zeros(self._table.total, bool)
@@ -86,10 +101,38 @@ class Encoder:
         # as unsigned integers of the same width, which export the buffer protocol for any dtype
         pieces = [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B")
                   for hd in as_uint(x)]
+        return self._emit(layer, component, token_start, n, 0, x.shape[0], pieces, x=x)
+
+    def state_chunk(self, layer: int, index: int, data) -> list:
+        """Buffers of state tensor ``index`` of state layer ``layer`` (spec/crossmodel.md, KVW-STATE-7)."""
+        self._expect("chunks", "state_chunk")
+        h = self.header
+        if not 0 <= layer < h.num_layers or h.arch.layers[layer].kind != "state" or h.token_count == 0:
+            raise ValueError(f"layer {layer} is not a state layer of a cache with tokens")
+        tensors = h.arch.layers[layer].state_tensors
+        if not 0 <= index < len(tensors):
+            raise ValueError(f"state layer {layer} has {len(tensors)} state tensors, no tensor {index}")
+        t, x = tensors[index], as_numpy(data)
+        if tuple(x.shape) != t.shape or x.dtype != R.DTYPES[t.dtype][2]:
+            raise ValueError(f"state {t.name!r}: array {tuple(x.shape)} {x.dtype}, header declares {t.shape} {t.dtype}")
+        slot = int(self._table.base[layer, R.COMPONENTS["state"]]) + index
+        if self._filled[slot]:
+            raise ValueError(f"state chunk (layer {layer}, tensor {index}) already written")
+        self._filled[slot] = True
+        raw = memoryview(np.ascontiguousarray(as_uint(x)).reshape(-1)).cast("B")
+        return self._emit(layer, "state", 0, h.token_count, index, 1, [raw])
+
+    def _emit(self, layer: int, component: str, token_start: int, n: int, head_start: int, head_count: int,
+              pieces: list, bodies: BodyEncoder | None = None, x=None) -> list:
+        """Frame and stored body of one chunk whose raw bytes are ``pieces`` (already checked)."""
+        h = self.header
+        bodies = bodies or self._bodies
         raw_length = sum(p.nbytes for p in pieces)
-        codec, stored = self.codec, pieces
-        if codec != "raw":
-            stored = self._bodies.encode(pieces)
+        codec, stored, codec_spec = bodies.codec, pieces, 0
+        if x is not None and self._plan is not None:
+            codec, codec_spec, stored = self._plan.encode(layer, component, token_start, x, pieces, raw_length)
+        elif codec != "raw":
+            stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
         hasher = xxhash.xxh3_64()
@@ -100,7 +143,7 @@ class Encoder:
         frame_at = next_frame_offset(self._pos, h.alignment)
         rec = np.frombuffer(RECORD_STRUCT.pack(
             frame_at + FRAME_SIZE, stored_length, raw_length, hasher.intdigest(), token_start, n, layer,
-            R.COMPONENTS[component], R.CODECS[codec], 0, 0, x.shape[0], 0, 0), RECORD_DTYPE)[0]
+            R.COMPONENTS[component], R.CODECS[codec], 0, head_start, head_count, codec_spec, 0), RECORD_DTYPE)[0]
         self._records.append(rec)
         out = [bytes(frame_at - self._pos) + build_frame(rec), *stored]
         self._pos = frame_at + FRAME_SIZE + stored_length
@@ -131,7 +174,7 @@ class Encoder:
             raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
 
 
-def iter_buffers(cache: KVCache, *, form: str = "file", codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL,
+def iter_buffers(cache: KVCache, *, form: str = "file", codec="raw", level: int = DEFAULT_ZSTD_LEVEL,
                  **header_changes):
     """Yield the container's buffers (bytes and zero-copy memoryviews), layer-major.
 
@@ -140,16 +183,30 @@ def iter_buffers(cache: KVCache, *, form: str = "file", codec: str = "raw", leve
     """
     if header_changes:
         cache = cache.with_header(**header_changes)
+    if getattr(cache, "is_sparse", False):  # a SparseKVCache (spec/sparse.md)
+        from .sparse import iter_sparse_buffers
+
+        yield from iter_sparse_buffers(cache, form=form, codec=codec, level=level)
+        return
     h = cache.header
     enc = Encoder(h, codec=codec, level=level)
     yield from enc.begin()
     host = {}  # one host view per tensor (a GPU tensor is copied to the host once, not per chunk)
+    states = list(planned_state_chunks(h))  # written in canonical (layer-major) order with the rest
     for layer, comp, t0, n in planned_chunks(h):
+        while states and states[0][0] < layer:
+            yield from _state_chunk(enc, cache, *states.pop(0))
         if (layer, comp) not in host:
             host = {(layer, comp): as_numpy(cache.layers[layer][comp])}
         local = t0 - h.layer_tokens[layer].start
         yield from enc.chunk(layer, comp, t0, host[layer, comp][:, local : local + n, :])
+    for layer, index in states:
+        yield from _state_chunk(enc, cache, layer, index)
     yield from enc.end(form=form)
+
+
+def _state_chunk(enc: Encoder, cache: KVCache, layer: int, index: int) -> list:
+    return enc.state_chunk(layer, index, cache.state(layer)[cache.header.arch.layers[layer].state_tensors[index].name])
 
 
 def encode(cache: KVCache, **opts) -> bytes:

@@ -6,6 +6,8 @@ reference implementation of its subprocess protocol.
 * ``runner`` — ``kvwire conformance run``: reader, writer and round-trip levels and the
   producer x consumer matrix.
 * ``report`` — console summary, JUnit XML and Markdown.
+* ``crossmodel`` — ``kvwire conformance crossmodel``: real tiny models of every
+  architecture, decoded in a fresh process, continue bit-identically (needs transformers).
 
 The vectors themselves live in the source tree (``conformance/vectors/<version>/``);
 ``conformance/PROTOCOL.md`` is the normative description of the protocol.

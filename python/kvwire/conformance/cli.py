@@ -1,4 +1,4 @@
-"""``kvwire conformance run|impl``: the command-line face of the conformance kit."""
+"""``kvwire conformance run|crossmodel|impl``: the command-line face of the conformance kit."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--keep", metavar="DIR", help="keep the work files (writer specs, outputs) in DIR")
     r.add_argument("-q", "--quiet", action="store_true", help="print only non-passing checks and the summary")
     r.set_defaults(func=cmd_run)
+    x = sub.add_parser("crossmodel", help="real tiny models of every architecture: prefill, encode, decode in a "
+                                          "fresh process, continue bit-identically; compatibility verdicts",
+                       description="For each tiny transformers model (conformance/README.md, 'Cross-model "
+                                   "conformance suite'): encode its prefill cache, decode it in one fresh receiver "
+                                   "process, require tokens and logits bit-identical to continuing from the original "
+                                   "cache, and check the compatibility verdicts. Needs torch and transformers.")
+    x.add_argument("--models", metavar="A,B", help="model types to run (default: every tiny model of the zoo)")
+    x.add_argument("--junit", metavar="FILE", help="write JUnit XML here")
+    x.add_argument("--markdown", metavar="FILE", help="write a Markdown report here")
+    x.add_argument("--keep", metavar="DIR", help="keep the containers, jobs and receiver results in DIR")
+    x.add_argument("--timeout", type=float, default=600.0, help="seconds the receiver process may take")
+    x.add_argument("-q", "--quiet", action="store_true", help="print only non-passing checks and the table")
+    x.set_defaults(func=cmd_crossmodel)
     i = sub.add_parser("impl", help="the reference implementation of the protocol (the default --impl)",
                        description="decode IN.kvw OUT_DIR | encode SPEC.json OUT.kvw | validate IN.kvw | info")
     i.add_argument("args", nargs=argparse.REMAINDER)
@@ -52,6 +65,31 @@ def cmd_impl(args) -> int:
     from .impl import main
 
     return main(args.args)
+
+
+def cmd_crossmodel(args) -> int:
+    from . import crossmodel as X
+    from .report import case_line, junit_xml
+
+    def progress(c):
+        if not args.quiet or c.status != "pass":
+            print(case_line(c), flush=True)
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    try:
+        result = X.run_suite(models, workdir=args.keep, timeout=args.timeout, progress=progress)
+    except X.MissingDependency as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(X.summary_text(result))
+    if args.junit:
+        Path(args.junit).write_bytes(junit_xml(result.as_run()))
+    if args.markdown:
+        Path(args.markdown).write_text(X.markdown(result))
+    return 0 if result.ok else 1
 
 
 def cmd_run(args) -> int:

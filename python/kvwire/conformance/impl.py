@@ -46,12 +46,11 @@ def write_cache(cache, out_dir: str, **info) -> dict:
     """``decoded.json`` (with ``info``: form, chunk_count / segments) plus one raw file per tensor."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = []
-    for i, layer in enumerate(cache.layers):
-        for comp in cache.header.arch.layers[i].components:
-            name = N.tensor_file_name(i, comp)
-            with open(os.path.join(out_dir, name), "wb") as f:
-                f.write(N.canonical_bytes(layer[comp]))
-            tensors.append({"layer": i, "component": comp, "shape": list(layer[comp].shape), "file": name})
+    for i, comp, x in N.cache_tensors(cache):
+        name = N.tensor_file_name(i, comp)
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(N.canonical_bytes(x))
+        tensors.append({"layer": i, "component": comp, "shape": list(x.shape), "file": name})
     doc = {"format": N.DECODED_FORMAT, "version": N.MODEL_JSON_VERSION, **info,
            "header": N.header_to_json(cache.header), "tensors": tensors}
     with open(os.path.join(out_dir, "decoded.json"), "w") as f:
@@ -114,9 +113,21 @@ def read_encode_spec(spec_path: str) -> tuple[KVCache, str, str]:
     base = os.path.dirname(os.path.abspath(spec_path))
     np_dtype = R.DTYPES[header.dtype][2]
     given = {(t["layer"], t["component"]): t for t in spec["tensors"]}
+    if header.sparse is not None:  # canonical per-(layer, component) tensors, split by head (spec/sparse.md)
+        from ..sparse import SparseKVCache
+
+        arrays = {k: np.fromfile(os.path.join(base, t["file"]), dtype=np.int64 if k[1] == "positions" else np_dtype)
+                  .reshape(t["shape"]) for k, t in given.items()}
+        return SparseKVCache.from_canonical(header, arrays), spec.get("form", "file"), spec.get("codec", "raw")
     layers = []
     for i, layer_spec in enumerate(header.arch.layers):
         layer = {}
+        if layer_spec.kind == "state":  # {"state": {name: array}} in each tensor's dtype (spec/crossmodel.md)
+            layer["state"] = {st.name: np.fromfile(os.path.join(base, given[i, f"state.{st.name}"]["file"]),
+                                                   dtype=R.DTYPES[st.dtype][2]).reshape(st.shape)
+                              for st in layer_spec.state_tensors if header.token_count}
+            layers.append(layer)
+            continue
         for comp in layer_spec.components:
             t = given[i, comp]
             data = np.fromfile(os.path.join(base, t["file"]), dtype=np.uint8)

@@ -36,6 +36,7 @@ CORE_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "window
 SHARED_IGNORED = ("window", "uses_rope", "rope", "kv_lora_rank", "qk_rope_head_dim")
 
 _BLOBS = ("config_fingerprint", "tokenizer_fingerprint", "weights_fingerprint", "compat_fingerprint")
+_XM_MODEL = ("framework", "framework_version", "layer_weights_fingerprints", "fingerprint_scheme")
 _ROPE_VECTORS = ("short_factor", "long_factor", "mrope_section")
 
 
@@ -79,6 +80,8 @@ def rope_to_json(r: RopeParams | None):
     out = {}
     for f in fields(RopeParams):
         v = getattr(r, f.name)
+        if f.name == "truncate" and v:  # reported only when false, as the 1.0 vectors predate it
+            continue
         if f.name in ("short_factor", "long_factor"):
             out[f.name] = [float_to_json(x) for x in v]
         elif f.name == "mrope_section":
@@ -95,6 +98,8 @@ def layer_to_json(s: LayerSpec) -> dict:
         "kind": s.kind, "num_kv_heads": s.num_kv_heads, "head_dim_k": s.head_dim_k, "head_dim_v": s.head_dim_v,
         "window": s.window, "source_layer": s.source_layer, "uses_rope": s.uses_rope, "rope": rope_to_json(s.rope),
         "kv_lora_rank": s.kv_lora_rank, "qk_rope_head_dim": s.qk_rope_head_dim,
+        **({"state_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in s.state_tensors]}
+           if s.state_tensors else {}),  # spec/crossmodel.md: reported when present
     }
 
 
@@ -110,6 +115,8 @@ def header_to_json(h: Header) -> dict:
         "model": {
             "model_type": m.model_type, "model_id": m.model_id, "revision": m.revision,
             **{b: bytes(getattr(m, b)).hex() for b in _BLOBS},
+            **{k: (v.hex() if isinstance(v, bytes) else v) for k in _XM_MODEL  # spec/crossmodel.md, when set
+               for v in (getattr(m, k),) if v},
         },
         "arch": {
             "schema_version": h.arch.schema_version,
@@ -128,6 +135,17 @@ def header_to_json(h: Header) -> dict:
         "checksum_algorithm": h.checksum_algorithm,
         "metadata": {k: bytes(v).hex() for k, v in sorted(h.metadata.items())},
     }
+    if getattr(h, "codec_specs", ()):  # spec/codecs.md: reported when present
+        from ..codec_spec import spec_to_json
+
+        out["codec_specs"] = [spec_to_json(s) for s in h.codec_specs]
+    if getattr(h, "sparse", None) is not None:  # spec/sparse.md: reported when present
+        sp = h.sparse
+        out["sparse"] = {"method": sp.method, "next_position": sp.next_position,
+                         "retained_counts": list(sp.retained_counts), "sink_tokens": sp.sink_tokens,
+                         "window_tokens": sp.window_tokens}
+    if getattr(h, "prefix", None) is not None:  # spec/crossmodel.md: reported when present
+        out["prefix"] = {"scheme": h.prefix.scheme, "root": h.prefix.root.hex(), "hashes": h.prefix.hashes.hex()}
     engine = getattr(h, "engine_layout", None)  # informational table (spec 5.9), reported when present
     if engine is not None:
         out["engine_layout"] = {f.name: (list(v) if isinstance(v, tuple) else v)
@@ -155,7 +173,12 @@ def rope_from_json(d) -> RopeParams | None:
 
 
 def layer_from_json(d: dict) -> LayerSpec:
-    kw = {f.name: d[f.name] for f in fields(LayerSpec) if f.name in d and f.name != "rope"}
+    kw = {f.name: d[f.name] for f in fields(LayerSpec) if f.name in d and f.name not in ("rope", "state_tensors")}
+    if d.get("state_tensors"):  # spec/crossmodel.md
+        from ..crossmodel_header import StateTensor
+
+        kw["state_tensors"] = tuple(StateTensor(t["name"], tuple(t["shape"]), t.get("dtype", "f32"))
+                                    for t in d["state_tensors"])
     return LayerSpec(rope=rope_from_json(d.get("rope")), **kw)
 
 
@@ -170,12 +193,29 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
                         schema_version=a.get("schema_version", 1))
     m = d.get("model", {})
     model = ModelIdentity(m.get("model_type", ""), m.get("model_id", ""), m.get("revision", ""),
-                          *(bytes.fromhex(m.get(b, "")) for b in _BLOBS))
+                          *(bytes.fromhex(m.get(b, "")) for b in _BLOBS), framework=m.get("framework", ""),
+                          framework_version=m.get("framework_version", ""),
+                          layer_weights_fingerprints=bytes.fromhex(m.get("layer_weights_fingerprints", "")),
+                          fingerprint_scheme=m.get("fingerprint_scheme", 0))
     if producer is None:
         p = d.get("producer", {})
         producer = Producer(p.get("library", ""), p.get("version", ""))
     ranges = d.get("layer_tokens")
     extra = {}
+    if d.get("codec_specs"):  # spec/codecs.md
+        from ..codec_spec import spec_from_json
+
+        extra["codec_specs"] = tuple(spec_from_json(s) for s in d["codec_specs"])
+    if d.get("sparse") is not None:  # spec/sparse.md
+        from ..sparse_header import SparseInfo
+
+        extra["sparse"] = SparseInfo(**{**d["sparse"], "retained_counts": tuple(d["sparse"]["retained_counts"])})
+    if d.get("prefix") is not None:  # spec/crossmodel.md
+        from ..crossmodel_header import PrefixChain
+
+        p = d["prefix"]
+        extra["prefix"] = PrefixChain(p.get("scheme", 1), bytes.fromhex(p.get("root", "")),
+                                      bytes.fromhex(p.get("hashes", "")))
     if d.get("engine_layout") is not None:  # only with a codec that knows the table
         from .. import header as H
 
@@ -288,6 +328,10 @@ def _compare_arch(want: dict, got, errors: list, notes: list, require_all: bool)
 def stored_components(header_json: dict):
     """(layer, component, shape) of every tensor a decoder reports, in canonical order."""
     for i, (spec, r) in enumerate(zip(header_json["arch"]["layers"], header_json["layer_tokens"])):
+        if spec["kind"] == "state":  # one tensor per state tensor, if the cache has tokens (spec/crossmodel.md)
+            for t in spec["state_tensors"] if r["count"] else ():
+                yield i, f"state.{t['name']}", list(t["shape"])
+            continue
         for comp in R.KIND_COMPONENTS[spec["kind"]]:
             heads, dim = {
                 "k": (spec["num_kv_heads"], spec["head_dim_k"]),
@@ -314,15 +358,30 @@ def canonical_bytes(array) -> bytes:
     return np.ascontiguousarray(as_numpy(array)).tobytes()
 
 
-def tensor_digests(cache) -> list[dict]:
-    """The twin's ``tensors`` list for a ``KVCache``."""
-    out = []
+def cache_tensors(cache):
+    """(layer, component, array) of every canonical tensor of a cache. A sparse cache
+    (spec/sparse.md) has, per (layer, component), its heads' rows concatenated in head order
+    ([retained tokens of all heads, dim]) and POSITIONS as int64 little-endian."""
+    if getattr(cache, "is_sparse", False):
+        yield from cache.canonical_tensors()
+        return
     for i, layer in enumerate(cache.layers):
-        spec = cache.header.arch.layers[i]
-        for comp in spec.components:
-            data = canonical_bytes(layer[comp])
-            out.append({"layer": i, "component": comp, "shape": list(layer[comp].shape), "nbytes": len(data),
-                        "sha256": sha256(data)})
+        for comp in cache.header.arch.layers[i].components:
+            if comp == "state":  # "state.<name>" per state tensor, in declaration order (spec/crossmodel.md)
+                for t in cache.header.arch.layers[i].state_tensors:
+                    if t.name in layer["state"]:
+                        yield i, f"state.{t.name}", layer["state"][t.name]
+                continue
+            yield i, comp, layer[comp]
+
+
+def tensor_digests(cache) -> list[dict]:
+    """The twin's ``tensors`` list for a ``KVCache`` (or ``SparseKVCache``)."""
+    out = []
+    for i, comp, x in cache_tensors(cache):
+        data = canonical_bytes(x)
+        out.append({"layer": i, "component": comp, "shape": list(x.shape), "nbytes": len(data),
+                    "sha256": sha256(data)})
     return out
 
 

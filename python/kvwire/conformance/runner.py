@@ -646,11 +646,10 @@ class Runner:
             r.validate()
             cache = r.load()
         tensors = []
-        for i, layer in enumerate(cache.layers):
-            for comp in cache.header.arch.layers[i].components:
-                name = N.tensor_file_name(i, comp)
-                (d / name).write_bytes(N.canonical_bytes(layer[comp]))
-                tensors.append({"layer": i, "component": comp, "shape": list(layer[comp].shape), "file": name})
+        for i, comp, x in N.cache_tensors(cache):
+            name = N.tensor_file_name(i, comp)
+            (d / name).write_bytes(N.canonical_bytes(x))
+            tensors.append({"layer": i, "component": comp, "shape": list(x.shape), "file": name})
         spec = {"format": N.ENCODE_SPEC_FORMAT, "version": N.MODEL_JSON_VERSION, "form": case.form,
                 "codec": case.codec, "header": case.vector.twin["header"], "tensors": tensors}
         path = d / "spec.json"

@@ -208,7 +208,15 @@ class RopeParams(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-def RopeParamsStart(builder): builder.StartObject(17)
+    # yarn: false when the correction range is not rounded to whole dimensions (gpt-oss).
+    # RopeParams
+    def Truncate(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(38))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return True
+
+def RopeParamsStart(builder): builder.StartObject(18)
 def Start(builder):
     return RopeParamsStart(builder)
 def RopeParamsAddRopeType(builder, ropeType): builder.PrependUint8Slot(0, ropeType, 1)
@@ -271,6 +279,9 @@ def StartMropeSectionVector(builder, numElems):
 def RopeParamsAddSeqLenAtEncode(builder, seqLenAtEncode): builder.PrependUint64Slot(16, seqLenAtEncode, 0)
 def AddSeqLenAtEncode(builder, seqLenAtEncode):
     return RopeParamsAddSeqLenAtEncode(builder, seqLenAtEncode)
+def RopeParamsAddTruncate(builder, truncate): builder.PrependBoolSlot(17, truncate, 1)
+def AddTruncate(builder, truncate):
+    return RopeParamsAddTruncate(builder, truncate)
 def RopeParamsEnd(builder): return builder.EndObject()
 def End(builder):
     return RopeParamsEnd(builder)

@@ -6,7 +6,7 @@ import flatbuffers
 from flatbuffers.compat import import_numpy
 np = import_numpy()
 
-# A sparse cache: per (layer, kv head) token subsets (spec/codecs.md, "Sparse caches").
+# A sparse cache: per (layer, kv head) token subsets (spec/sparse.md).
 class SparseInfo(object):
     __slots__ = ['_tab']
 
@@ -70,7 +70,21 @@ class SparseInfo(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         return o == 0
 
-def SparseInfoStart(builder): builder.StartObject(3)
+    # SparseInfo
+    def SinkTokens(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # SparseInfo
+    def WindowTokens(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def SparseInfoStart(builder): builder.StartObject(5)
 def Start(builder):
     return SparseInfoStart(builder)
 def SparseInfoAddMethod(builder, method): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(method), 0)
@@ -85,6 +99,12 @@ def AddRetainedCounts(builder, retainedCounts):
 def SparseInfoStartRetainedCountsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
 def StartRetainedCountsVector(builder, numElems):
     return SparseInfoStartRetainedCountsVector(builder, numElems)
+def SparseInfoAddSinkTokens(builder, sinkTokens): builder.PrependUint32Slot(3, sinkTokens, 0)
+def AddSinkTokens(builder, sinkTokens):
+    return SparseInfoAddSinkTokens(builder, sinkTokens)
+def SparseInfoAddWindowTokens(builder, windowTokens): builder.PrependUint32Slot(4, windowTokens, 0)
+def AddWindowTokens(builder, windowTokens):
+    return SparseInfoAddWindowTokens(builder, windowTokens)
 def SparseInfoEnd(builder): return builder.EndObject()
 def End(builder):
     return SparseInfoEnd(builder)

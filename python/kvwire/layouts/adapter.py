@@ -29,7 +29,6 @@ from typing import Mapping
 
 import numpy as np
 
-from ..codecs import decode_body
 from ..cuda import StagingRing, host_chunk, int_view, stream_for
 from ..header import EngineLayout, Header
 from ..tensors import dtype_name
@@ -470,7 +469,7 @@ class EngineBuffers:
                         c, stored = reader._stored(i, verify)
                         slot = ring.acquire(c.raw_length)
                         host = ring.host[slot][: c.raw_length]
-                        decode_body(c.codec, stored, c.raw_length, out=host.numpy())
+                        reader.decode_stored(i, c, stored, out=host.numpy())
                         src = host.view(self._views[layer][comp].dtype).view(c.shape)
                     dev = ring.device[slot][: c.raw_length].view(src.dtype).view(c.shape)
 

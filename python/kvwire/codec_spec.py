@@ -1,0 +1,239 @@
+"""Codec specifications (spec/codecs.md): the ``CodecSpec`` table of ``Header.codec_specs``.
+
+A chunk record of a container with the ``codec_specs`` feature names its codec spec in
+``reserved0`` (``codec_spec``): 0 for a plain ``raw``/``zstd`` body, ``i >= 1`` for
+``Header.codec_specs[i - 1]``. This module holds the value type, its FlatBuffers build and
+read, the header-level rules (KVW-CSPEC-*) and the record-level ones, so ``header.py``
+and ``chunks.py`` only call in. It must not import ``header.py`` at import time (header
+imports it).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from . import registry as R
+from .errors import CodecError, FeatureError, LimitError, SchemaError
+
+FEATURE_BIT = R.REQUIRED_FEATURES["codec_specs"]
+MAX_CODEC_SPECS = 4096  # KVW-CSPEC-2: codec_spec is a u16 index, 0 meaning "no spec"
+MAX_GROUP_SIZE = 1 << 16  # KVW-INT-2
+LOSSY = ("fp8", "int_affine")
+SPEC_CODECS = ("byteplane_zstd", *LOSSY)
+LOSSLESS_STAGES = ("raw", "zstd", "byteplane_zstd")
+FP8_FORMATS = ("f8_e4m3fn", "f8_e5m2", "f8_e4m3fnuz")
+SCALE_DTYPES = ("f16", "bf16", "f32")
+FLOAT_DTYPES = ("bf16", "f16", "f32")  # header dtypes a lossy codec may decode to (KVW-CSPEC-6)
+LOSSY_COMPONENTS = ("k", "v", "latent")  # KVW-CSPEC-9
+INT_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One codec pipeline: a codec with its parameters, then an optional lossless stage.
+
+    Defaults are the schema's. Fields a codec does not use must keep their defaults
+    (KVW-CSPEC-5), so equal pipelines have equal encodings.
+    """
+
+    codec: str = "raw"
+    lossless: str = "raw"
+    fp8_format: str = "f8_e4m3fn"
+    scale_granularity: str = "tensor"
+    bits: int = 8
+    group_size: int = 32
+    group_axis: str = "tokens"
+    symmetric: bool = False
+    scale_dtype: str = "f32"
+    sink_tokens: int = 0
+    residual_tokens: int = 0
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec in LOSSY
+
+
+_DEFAULT = CodecSpec()
+_U8 = struct.Struct("<B")
+_U32 = struct.Struct("<I")
+# (attribute, field id, struct, enum name -> code) in schema order
+_ENUMS = {
+    "codec": R.CODECS, "lossless": R.CODECS,
+    "fp8_format": {k: v[0] for k, v in R.DTYPES.items()}, "scale_dtype": {k: v[0] for k, v in R.DTYPES.items()},
+    "scale_granularity": R.SCALE_GRANULARITIES, "group_axis": R.GROUP_AXES,
+}
+_FIELDS = [("codec", 0, "B"), ("lossless", 1, "B"), ("fp8_format", 2, "B"), ("scale_granularity", 3, "B"),
+           ("bits", 4, "B"), ("group_size", 5, "I"), ("group_axis", 6, "B"), ("symmetric", 7, "?"),
+           ("scale_dtype", 8, "B"), ("sink_tokens", 9, "I"), ("residual_tokens", 10, "I")]
+_SLOTS = {"B": "PrependUint8Slot", "I": "PrependUint32Slot", "?": "PrependBoolSlot"}
+# which fields each codec uses (KVW-CSPEC-5); the others must hold their defaults
+_USED = {
+    "byteplane_zstd": (),
+    "fp8": ("lossless", "fp8_format", "scale_granularity", "sink_tokens", "residual_tokens"),
+    "int_affine": ("lossless", "bits", "group_size", "group_axis", "symmetric", "scale_dtype", "sink_tokens",
+                   "residual_tokens"),
+}
+
+
+def _code(attr: str, value) -> int:
+    enum = _ENUMS.get(attr)
+    if enum is None:
+        return int(value)
+    try:
+        return enum[value]
+    except KeyError:
+        raise ValueError(f"CodecSpec.{attr} {value!r}: not a registry name") from None
+
+
+# ---------------------------------------------------------------------------------------
+# FlatBuffers
+# ---------------------------------------------------------------------------------------
+
+def build_codec_specs(b, specs) -> int | None:
+    """Offset of the ``Header.codec_specs`` vector (None when there are none); call before
+    ``Header.Start``."""
+    if not specs:
+        return None
+    offs = []
+    for s in specs:
+        b.StartObject(len(_FIELDS))
+        for attr, fid, code in _FIELDS:
+            value = getattr(s, attr)
+            if value != getattr(_DEFAULT, attr):
+                getattr(b, _SLOTS[code])(fid, _code(attr, value), None)
+        offs.append(b.EndObject())
+    b.StartVector(4, len(offs), 4)
+    for off in reversed(offs):
+        b.PrependUOffsetTRelative(off)
+    return b.EndVector()
+
+
+def _name(enum: dict, code: int, attr: str) -> str:
+    for name, c in enum.items():
+        if c == code:
+            return name
+    raise SchemaError("ENUM_OUT_OF_RANGE", f"codec spec {attr} code {code} is not in the registry", rule="KVW-HDR-10")
+
+
+def read_codec_specs(t, required_features: int) -> tuple:
+    """``Header.codec_specs`` (field 18) from the verified root table ``t``. Without the
+    feature bit the field is not read at all (KVW-CSPEC-1, KVW-EVOL-2)."""
+    if not required_features & FEATURE_BIT:
+        return ()
+    out = []
+    for st in t.tables(18, MAX_CODEC_SPECS):
+        kw = {}
+        for attr, fid, code in _FIELDS:
+            default = getattr(_DEFAULT, attr)
+            if code == "?":
+                kw[attr] = st.boolean(fid, default)
+            elif attr in _ENUMS:
+                kw[attr] = _name(_ENUMS[attr], st.scalar(fid, _U8, _ENUMS[attr][default]), attr)
+            else:
+                kw[attr] = st.scalar(fid, _U8 if code == "B" else _U32, default)
+        out.append(CodecSpec(**kw))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Header rules
+# ---------------------------------------------------------------------------------------
+
+def _invalid(i: int, rule: str, msg: str):
+    raise SchemaError("CODEC_SPEC_INVALID", f"codec_specs[{i}]: {msg}", rule=rule)
+
+
+def check_codec_spec(s: CodecSpec, i: int, dtype: str, sparse: bool = False) -> None:
+    """Rules of one spec, in the order of spec/codecs.md section 1.1 (KVW-CSPEC-3..8, KVW-FP8-1,
+    KVW-INT-1..2)."""
+    for attr, enum in _ENUMS.items():
+        if getattr(s, attr) not in enum:
+            raise SchemaError("ENUM_OUT_OF_RANGE", f"codec_specs[{i}].{attr} {getattr(s, attr)!r}",
+                              rule="KVW-HDR-10")
+    if s.codec not in SPEC_CODECS:
+        _invalid(i, "KVW-CSPEC-3", f"codec {s.codec!r}: a codec spec names byteplane_zstd, fp8 or int_affine "
+                 "(raw and zstd records use codec_spec 0)")
+    if s.lossless not in LOSSLESS_STAGES:
+        _invalid(i, "KVW-CSPEC-4", f"lossless stage {s.lossless!r}: must be raw, zstd or byteplane_zstd")
+    for f in fields(CodecSpec):
+        if f.name != "codec" and f.name not in _USED[s.codec] and getattr(s, f.name) != f.default:
+            _invalid(i, "KVW-CSPEC-5", f"{s.codec} does not use {f.name}; it must keep its default {f.default!r}")
+    if s.lossy and dtype not in FLOAT_DTYPES:
+        _invalid(i, "KVW-CSPEC-6", f"lossy codec {s.codec} on header dtype {dtype}: needs bf16, f16 or f32")
+    if sparse and (s.sink_tokens or s.residual_tokens):
+        _invalid(i, "KVW-CSPEC-8", "sink_tokens/residual_tokens in a sparse container")
+    if s.codec == "fp8" and s.fp8_format not in FP8_FORMATS:
+        _invalid(i, "KVW-FP8-1", f"fp8_format {s.fp8_format!r}: must be f8_e4m3fn, f8_e5m2 or f8_e4m3fnuz")
+    if s.codec == "int_affine":
+        if s.bits not in INT_BITS or s.scale_dtype not in SCALE_DTYPES:
+            _invalid(i, "KVW-INT-1", f"bits {s.bits} / scale_dtype {s.scale_dtype!r}: bits must be 2, 4 or 8, "
+                     "scale_dtype f16, bf16 or f32")
+        if not 1 <= s.group_size <= MAX_GROUP_SIZE:
+            _invalid(i, "KVW-INT-2", f"group_size {s.group_size}: must be in [1, {MAX_GROUP_SIZE}]")
+
+
+def check_codec_specs(h) -> None:
+    """Header rules of ``codec_specs`` (KVW-CSPEC-1..8); called by ``check_header``."""
+    specs = h.codec_specs
+    if not specs:
+        if h.required_features & FEATURE_BIT:  # bit 0 alone: the unassigned bit of 1.0 draft rev. 1
+            raise FeatureError("UNSUPPORTED_FEATURE", "the codec_specs bit is set but Header.codec_specs is "
+                               "absent or empty (KVW-CSPEC-1): treated as an unknown bit", rule="KVW-EVOL-3")
+        return
+    if not h.required_features & FEATURE_BIT:
+        _invalid(0, "KVW-CSPEC-1", "codec_specs present without the codec_specs required feature bit")
+    if len(specs) > MAX_CODEC_SPECS:
+        raise LimitError("LIMIT_EXCEEDED", f"{len(specs)} codec specs, limit {MAX_CODEC_SPECS}", rule="KVW-CSPEC-2")
+    sparse = getattr(h, "sparse", None) is not None
+    for i, s in enumerate(specs):
+        check_codec_spec(s, i, h.dtype, sparse)
+
+
+# ---------------------------------------------------------------------------------------
+# Record rules
+# ---------------------------------------------------------------------------------------
+
+def check_spec_refs(h, rec: np.ndarray) -> None:
+    """Record rules (KVW-CSPEC-9): ``codec_spec`` (``reserved0``) in range, and the
+    record's codec equal to its spec's (raw or zstd for codec_spec 0)."""
+    if not len(rec):
+        return
+    specs = h.codec_specs
+    idx = rec["reserved0"].astype(np.int64)
+    codec = rec["codec"].astype(np.int64)
+    comp = rec["component"].astype(np.int64)
+    # want[i]: the codec codec_spec i requires (-1: raw or zstd); lossy[i]: spec i is lossy
+    want = np.array([-1] + [R.CODECS[s.codec] for s in specs], np.int64)
+    lossy = np.array([False] + [s.lossy for s in specs])
+    out = idx > len(specs)
+    plain = codec <= R.CODECS["zstd"]
+    safe = np.where(out, 0, idx)
+    bad = out | np.where(safe == 0, ~plain, codec != want[safe])
+    lossy_ok = np.isin(comp, [R.COMPONENTS[c] for c in LOSSY_COMPONENTS])
+    bad |= lossy[safe] & ~lossy_ok
+    if bad.any():
+        i = int(np.argmax(bad))
+        j = int(idx[i])
+        if j > len(specs):
+            what = f"codec_spec {j} but the header has {len(specs)} codec specs"
+        elif lossy[safe[i]] and not lossy_ok[i]:
+            what = f"lossy codec spec {j} on component {R.COMPONENT_BY_CODE.get(int(comp[i]), comp[i])}"
+        else:
+            what = f"codec {R.CODEC_BY_CODE.get(int(codec[i]), codec[i])} with codec_spec {j} " + (
+                "(a codec_spec 0 record is raw or zstd)" if j == 0 else f"(spec codec {specs[j - 1].codec})")
+        raise CodecError("CODEC_SPEC_MISMATCH", f"chunk record {i}: {what}", rule="KVW-CSPEC-9")
+
+
+# ---------------------------------------------------------------------------------------
+# JSON (conformance neutral model)
+# ---------------------------------------------------------------------------------------
+
+def spec_to_json(s: CodecSpec) -> dict:
+    return {f.name: getattr(s, f.name) for f in fields(CodecSpec)}
+
+
+def spec_from_json(d: dict) -> CodecSpec:
+    return CodecSpec(**{f.name: d[f.name] for f in fields(CodecSpec) if f.name in d})

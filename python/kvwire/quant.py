@@ -1,0 +1,325 @@
+"""Lossy codecs ``fp8`` and ``int_affine`` (spec/codecs.md, KVW-LOSSY-*, KVW-FP8-*, KVW-INT-*).
+
+A lossy body of a chunk ``[H, T, D]`` (tokens ``[t0, t1)`` of a layer holding ``[lo, hi)``)::
+
+    sink part [H, P, D] | residual part [H, Q, D] | scales | zeros | codes
+
+The first ``P`` and last ``Q`` tokens of the chunk that fall in the layer's first
+``sink_tokens`` / last ``residual_tokens`` tokens stay in the header dtype; the ``M``
+tokens between them are quantized. Decoding is exact arithmetic in fp32 followed by one
+round-to-nearest-even to the header dtype, so every implementation produces the same
+bytes; how a writer picks scales is its own business (amax / fmax, min-max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from . import registry as R
+from .errors import CodecError
+
+F32 = np.dtype("<f4")
+FP8 = {  # format -> (numpy dtype, largest finite value)
+    "f8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
+    "f8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), 57344.0),
+    "f8_e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), 240.0),
+}
+CANONICAL_NAN = {"bf16": 0x7FC0, "f16": 0x7E00, "f32": 0x7FC00000}  # KVW-LOSSY-4
+_UINT = {2: np.uint16, 4: np.uint32}  # header dtype bits, for canonical NaNs and lookups
+
+
+def fp8_table(fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fp32 value of each of the 256 codes, which codes are NaN)."""
+    v = np.arange(256, dtype=np.uint8).view(FP8[fmt][0]).astype(F32)
+    return v, np.isnan(v)
+
+
+_FP8_TABLES = {fmt: fp8_table(fmt) for fmt in FP8}
+
+
+def token_split(spec, t0: int, t1: int, lo: int, hi: int) -> tuple[int, int]:
+    """(P, Q): full-precision tokens at the start and end of chunk [t0, t1) (KVW-LOSSY-1)."""
+    sink_end = min(hi, lo + spec.sink_tokens)
+    resid_start = max(lo, hi - spec.residual_tokens)
+    qa = min(t1, max(t0, sink_end))  # first quantized token
+    qb = max(qa, min(t1, max(t0, resid_start)))  # end of the quantized tokens
+    return qa - t0, t1 - qb
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte layout of one lossy body (KVW-LOSSY-2)."""
+
+    heads: int
+    tokens: int
+    dim: int
+    itemsize: int
+    P: int
+    Q: int
+    groups: tuple  # shape of the scales (and zeros) array
+    param_size: int  # bytes per scale / zero
+    zeros: bool
+    bits: int
+
+    @property
+    def M(self) -> int:
+        return self.tokens - self.P - self.Q
+
+    @property
+    def fp_bytes(self) -> int:
+        return self.heads * (self.P + self.Q) * self.dim * self.itemsize
+
+    @property
+    def param_count(self) -> int:
+        return int(np.prod(self.groups)) if self.M else 0
+
+    @property
+    def code_bytes(self) -> int:
+        return -(-self.heads * self.M * self.dim * self.bits // 8)
+
+    @property
+    def length(self) -> int:
+        return self.fp_bytes + self.param_count * self.param_size * (2 if self.zeros else 1) + self.code_bytes
+
+
+def layout(spec, dtype: str, heads: int, dim: int, t0: int, t1: int, lo: int, hi: int) -> Layout:
+    P, Q = token_split(spec, t0, t1, lo, hi)
+    M = t1 - t0 - P - Q
+    itemsize = R.DTYPES[dtype][1]
+    if spec.codec == "fp8":
+        groups = {"tensor": (1,), "head": (heads,), "token": (heads, M)}[spec.scale_granularity]
+        return Layout(heads, t1 - t0, dim, itemsize, P, Q, groups, 4, False, 8)
+    G = spec.group_size
+    if spec.group_axis == "tokens":
+        groups = (heads, -(-M // G), dim)
+    else:
+        groups = (heads, M, -(-dim // G))
+    return Layout(heads, t1 - t0, dim, itemsize, P, Q, groups, R.DTYPES[spec.scale_dtype][1], not spec.symmetric,
+                  spec.bits)
+
+
+# ---------------------------------------------------------------------------------------
+# Groups: a reduction and a broadcast over (full groups, partial tail group)
+# ---------------------------------------------------------------------------------------
+
+def _parts(n: int, G: int):
+    """(start, stop, first group, group count, group size) of the full groups and the tail."""
+    full = n // G
+    if full:
+        yield 0, full * G, 0, full, G
+    if n % G:
+        yield full * G, n, full, 1, n % G
+
+
+def _axis(spec) -> int:
+    return 1 if spec.group_axis == "tokens" else 2
+
+
+def group_reduce(y: np.ndarray, spec, fn) -> np.ndarray:
+    """``fn(block, axis)`` over each group of ``y`` [H, M, D]; result shaped like the scales."""
+    a, G = _axis(spec), spec.group_size
+    out = []
+    for s, e, _, ng, gs in _parts(y.shape[a], G):
+        idx = (slice(None),) * a + (slice(s, e),)
+        block = y[idx].reshape(y.shape[:a] + (ng, gs) + y.shape[a + 1:])
+        out.append(fn(block, a + 1))
+    return np.concatenate(out, axis=a) if len(out) > 1 else out[0]
+
+
+def group_apply(y: np.ndarray, params: list, spec, fn) -> None:
+    """In place: ``y_block = fn(y_block, *param_blocks)`` with each group's parameters broadcast."""
+    a, G = _axis(spec), spec.group_size
+    for s, e, g0, ng, gs in _parts(y.shape[a], G):
+        idx = (slice(None),) * a + (slice(s, e),)
+        shape = y.shape[:a] + (ng, gs) + y.shape[a + 1:]
+        pshape = y.shape[:a] + (ng, 1) + y.shape[a + 1:]
+        pidx = (slice(None),) * a + (slice(g0, g0 + ng),)
+        block = y[idx].reshape(shape)
+        r = fn(block, *(p[pidx].reshape(pshape) for p in params))
+        if r is not block or not np.may_share_memory(block, y):  # fn returned a new array (or worked on a copy)
+            y[idx] = r.reshape(y[idx].shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Bit packing, least significant bits first (KVW-INT-4)
+# ---------------------------------------------------------------------------------------
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    c = codes.reshape(-1)
+    if bits == 8:
+        return c
+    per = 8 // bits
+    pad = -len(c) % per
+    if pad:
+        c = np.concatenate([c, np.zeros(pad, np.uint8)])
+    c = c.reshape(-1, per)
+    out = c[:, 0].copy()
+    for k in range(1, per):
+        out |= c[:, k] << np.uint8(k * bits)
+    return out
+
+
+def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    if bits == 8:
+        return packed[:n]
+    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+    out = np.empty((len(packed), per), np.uint8)
+    for k in range(per):
+        np.bitwise_and(packed >> np.uint8(k * bits), mask, out=out[:, k])
+    flat = out.reshape(-1)
+    if flat[n:].any():
+        raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero", rule="KVW-INT-4")
+    return flat[:n]
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding (normative arithmetic)
+# ---------------------------------------------------------------------------------------
+
+def _to_dtype(v: np.ndarray, dtype: str, nan_mask=None) -> np.ndarray:
+    """fp32 -> header dtype, round half to even; NaN results canonical (KVW-LOSSY-4)."""
+    with np.errstate(over="ignore"):  # beyond the largest finite: infinity, as specified
+        out = v.astype(R.DTYPES[dtype][2]) if dtype != "f32" else v
+    if nan_mask is not None and nan_mask.any():
+        out.view(_UINT[R.DTYPES[dtype][1]])[nan_mask] = CANONICAL_NAN[dtype]
+    return out
+
+
+_PARAM_RULES = {  # which parameter values a reader accepts
+    "positive": ("finite and > 0", lambda p: ~np.isfinite(p) | ~(p > 0)),
+    "nonnegative": ("finite with the sign bit clear", lambda p: ~np.isfinite(p) | np.signbit(p)),
+    "finite": ("finite", lambda p: ~np.isfinite(p)),
+}
+
+
+def _params(body: np.ndarray, at: int, lay: Layout, dtype: np.dtype, rule: str, check: str):
+    n = lay.param_count
+    p = body[at : at + n * lay.param_size].view(dtype.newbyteorder("<")).astype(F32).reshape(lay.groups)
+    what, test = _PARAM_RULES[check]
+    bad = test(p)
+    if bad.any():
+        i = int(np.argmax(bad.reshape(-1)))
+        raise CodecError("DECODE_FAILED", f"parameter {i} ({float(p.reshape(-1)[i])!r}) is not {what}", rule=rule)
+    return p, at + n * lay.param_size
+
+
+def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
+    """[H, T, D] in the header dtype from a lossy body of exactly ``lay.length`` bytes
+    (written into the buffer ``out`` when given)."""
+    b = np.frombuffer(body, np.uint8)
+    if len(b) != lay.length:
+        raise CodecError("DECODE_FAILED", f"{spec.codec} body of {len(b)} bytes, its geometry needs {lay.length}",
+                         rule="KVW-LOSSY-2")
+    H, T, D, P, Q, M = lay.heads, lay.tokens, lay.dim, lay.P, lay.Q, lay.M
+    np_dtype = R.DTYPES[dtype][2]
+    if out is None:
+        out = np.empty((H, T, D), np_dtype)
+    elif isinstance(out, np.ndarray) and out.ndim == 3:  # in place (e.g. a token slice of a layer)
+        out = out.view(np_dtype)
+    else:
+        out = np.frombuffer(out, np_dtype, H * T * D).reshape(H, T, D)
+    n_sink = H * P * D * lay.itemsize
+    out[:, :P] = b[:n_sink].view(np_dtype).reshape(H, P, D)
+    out[:, T - Q:] = b[n_sink : lay.fp_bytes].view(np_dtype).reshape(H, Q, D)
+    if not M:
+        return out
+    at = lay.fp_bytes
+    if spec.codec == "fp8":
+        scales, at = _params(b, at, lay, F32, "KVW-FP8-3", "positive")
+        codes = b[at:].reshape(H, M, D)
+        table, nan = _FP8_TABLES[spec.fp8_format]
+        if spec.scale_granularity != "token":  # few scales: one 256-entry table of results per scale
+            word = _UINT.get(lay.itemsize, np.uint8)
+            dst = out.view(word)[:, P : P + M]
+            for h in range(H):
+                s = scales.reshape(-1)[h if spec.scale_granularity == "head" else 0]
+                lut = _to_dtype(table * s, dtype, nan).view(word)
+                np.take(lut, codes[h], out=dst[h], mode="clip")  # codes are < 256: clip never acts
+            return out
+        v = table[codes]
+        s = scales.reshape({"tensor": (1, 1, 1), "head": (H, 1, 1), "token": (H, M, 1)}[spec.scale_granularity])
+        np.multiply(v, s, out=v)
+        out[:, P : P + M] = _to_dtype(v, dtype, nan[codes] if nan.any() else None)
+        return out
+    sd = R.DTYPES[spec.scale_dtype][2]
+    scales, at = _params(b, at, lay, sd, "KVW-INT-3", "nonnegative")
+    zeros = None
+    if lay.zeros:
+        zeros, at = _params(b, at, lay, sd, "KVW-INT-3", "finite")
+    q = unpack(b[at:], spec.bits, H * M * D).reshape(H, M, D).astype(F32)
+    if spec.symmetric:
+        q -= np.float32(1 << (spec.bits - 1))
+        group_apply(q, [scales], spec, lambda blk, s: np.multiply(blk, s, out=blk))
+    else:  # two fp32 roundings, no FMA (KVW-LOSSY-3), in place
+        group_apply(q, [scales, zeros], spec, lambda blk, s, z: np.add(np.multiply(blk, s, out=blk), z, out=blk))
+    out[:, P : P + M] = _to_dtype(q, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding (the reference writer's choices; readers need only ``decode``)
+# ---------------------------------------------------------------------------------------
+
+def _amax(block: np.ndarray, axes) -> np.ndarray:
+    a = np.abs(block)
+    a[~np.isfinite(a)] = 0  # NaN and Inf do not set scales (KVW-FP8-5)
+    return a.max(axis=axes) if a.size else np.zeros(1, F32)
+
+
+def encode(spec, x: np.ndarray, lay: Layout) -> list:
+    """Pieces of the lossy body of chunk ``x`` [H, T, D] (header dtype)."""
+    H, T, P, Q, M = lay.heads, lay.tokens, lay.P, lay.Q, lay.M
+    pieces = [np.ascontiguousarray(x[:, :P]).view(np.uint8).reshape(-1),
+              np.ascontiguousarray(x[:, T - Q:]).view(np.uint8).reshape(-1)]
+    if not M:
+        return pieces
+    y = x[:, P : P + M].astype(F32)
+    if spec.codec == "fp8":
+        dt, fmax = FP8[spec.fp8_format]
+        axes = {"tensor": None, "head": (1, 2), "token": 2}[spec.scale_granularity]
+        amax = np.asarray(_amax(y, axes), F32).reshape(lay.groups)
+        with np.errstate(all="ignore"):
+            scales = (amax / np.float32(fmax)).astype(F32)
+        scales[~(scales > 0) | ~np.isfinite(scales)] = 1.0  # all-zero (or non-finite) groups: scale 1
+        s = scales.reshape({"tensor": (1, 1, 1), "head": (H, 1, 1), "token": (H, M, 1)}[spec.scale_granularity])
+        with np.errstate(all="ignore"):
+            q = np.clip(y / s, -fmax, fmax).astype(dt)  # saturate; NaN stays NaN; round half to even
+        return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), q.view(np.uint8).reshape(-1)]
+    if not np.isfinite(y).all():
+        raise ValueError("int_affine cannot represent NaN or infinity (KVW-INT-6): use fp8 or a lossless codec "
+                         "for this chunk")
+    b, sd = spec.bits, R.DTYPES[spec.scale_dtype][2]
+    with np.errstate(all="ignore"):
+        if spec.symmetric:
+            qmax = (1 << (b - 1)) - 1
+            amax = group_reduce(y, spec, lambda blk, ax: np.abs(blk).max(axis=ax))
+            scale_s = (amax / np.float32(qmax)).astype(sd)
+            zero_s = None
+        else:
+            qmax = (1 << b) - 1
+            mn = group_reduce(y, spec, lambda blk, ax: blk.min(axis=ax))
+            mx = group_reduce(y, spec, lambda blk, ax: blk.max(axis=ax))
+            scale_s = ((mx - mn) / np.float32(qmax)).astype(sd)
+            zero_s = mn.astype(sd)
+    params = [scale_s] + ([zero_s] if zero_s is not None else [])
+    if not all(np.isfinite(p.astype(F32)).all() for p in params):
+        raise ValueError(f"int_affine: values exceed the range of scale_dtype {spec.scale_dtype} (KVW-INT-6)")
+    sc = scale_s.astype(F32)
+    q = y.copy()
+    if spec.symmetric:
+        def quant(blk, s):
+            r = np.rint(np.divide(blk, s, out=np.zeros_like(blk), where=s > 0))
+            return np.clip(r, -qmax, qmax) + np.float32(1 << (b - 1))
+        group_apply(q, [sc], spec, quant)
+    else:
+        zs = zero_s.astype(F32)
+
+        def quant(blk, s, z):
+            r = np.rint(np.divide(blk - z, s, out=np.zeros_like(blk), where=s > 0))
+            return np.clip(r, 0, qmax)
+        group_apply(q, [sc, zs], spec, quant)
+    codes = pack(q.astype(np.uint8), b)
+    return pieces + [p.astype(p.dtype.newbyteorder("<")).view(np.uint8).reshape(-1) for p in params] + [codes]

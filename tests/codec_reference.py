@@ -1,0 +1,196 @@
+"""A slow, literal decoder of spec/codecs.md, written from the text alone.
+
+Element by element with Python integers and ``struct``: no numpy broadcasting, no
+ml_dtypes, no code shared with ``kvwire.quant``/``kvwire.byteplane``. Tests and the
+conformance generator compare the reference codec's bytes with it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import zstandard
+
+SIZES = {"bf16": 2, "f16": 2, "f32": 4}
+CANON_NAN = {"bf16": b"\xc0\x7f", "f16": b"\x00\x7e", "f32": b"\x00\x00\xc0\x7f"}
+
+
+def f32(x: float) -> float:
+    """Round a Python float to fp32 (nearest, ties to even)."""
+    return float(np.float32(x))
+
+
+def fp8_value(code: int, fmt: str) -> float:
+    s = -1.0 if code & 0x80 else 1.0
+    if fmt == "f8_e5m2":
+        e, m = (code >> 2) & 0x1F, code & 3
+        if e == 31:
+            return math.nan if m else s * math.inf
+        return s * (m / 4) * 2.0 ** -14 if e == 0 else s * (1 + m / 4) * 2.0 ** (e - 15)
+    e, m = (code >> 3) & 0xF, code & 7
+    if fmt == "f8_e4m3fn":
+        if e == 15 and m == 7:
+            return math.nan
+        return s * (m / 8) * 2.0 ** -6 if e == 0 else s * (1 + m / 8) * 2.0 ** (e - 7)
+    if code == 0x80:  # e4m3fnuz
+        return math.nan
+    return s * (m / 8) * 2.0 ** -7 if e == 0 else s * (1 + m / 8) * 2.0 ** (e - 8)
+
+
+def param(raw: bytes, dtype: str) -> float:
+    if dtype == "f32":
+        return struct.unpack("<f", raw)[0]
+    if dtype == "f16":
+        return struct.unpack("<e", raw)[0]
+    return struct.unpack("<f", b"\0\0" + raw)[0]  # bf16: the upper half of an fp32
+
+
+def to_dtype(x: float, dtype: str) -> bytes:
+    """KVW-LOSSY-4: fp32 value -> header dtype, nearest-even, canonical NaN."""
+    if math.isnan(x):
+        return CANON_NAN[dtype]
+    if dtype == "f32":
+        return struct.pack("<f", x)
+    if dtype == "f16":
+        try:
+            return struct.pack("<e", x)
+        except OverflowError:
+            return struct.pack("<e", math.copysign(math.inf, x))
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if math.isinf(x):
+        return struct.pack("<H", bits >> 16)
+    low, high = bits & 0xFFFF, bits >> 16
+    if low > 0x8000 or (low == 0x8000 and high & 1):
+        high += 1  # carries into the exponent: the largest finite rounds up to infinity
+    return struct.pack("<H", high)
+
+
+def byteplane_decode(body: bytes, length: int, w: int) -> bytes:
+    n, r = divmod(length, w)
+    assert len(body) >= 4 * w
+    lens = struct.unpack_from(f"<{w}I", body, 0)
+    assert len(body) == 4 * w + sum(lens) + r
+    planes, at = [], 4 * w
+    for ln in lens:
+        piece = body[at : at + ln]
+        at += ln
+        assert ln <= n
+        if ln < n:
+            assert zstandard.frame_content_size(piece) == n
+            piece = zstandard.ZstdDecompressor().decompress(piece)
+        planes.append(piece)
+    out = bytearray(length)
+    for e in range(n):
+        for j in range(w):
+            out[e * w + (w - 1 - j)] = planes[j][e]
+    out[n * w:] = body[at:]
+    return bytes(out)
+
+
+def token_split(spec, t0, t1, lo, hi):
+    """(P, Q): sink tokens of the chunk, then residual tokens not already counted as sink."""
+    P = sum(1 for t in range(t0, t1) if t < lo + spec.sink_tokens)
+    Q = sum(1 for t in range(t0 + P, t1) if t >= hi - spec.residual_tokens)
+    return P, Q
+
+
+def decode(spec, dtype: str, stored: bytes, H: int, T: int, D: int, t0: int, lo: int, hi: int) -> bytes:
+    """Decoded bytes [H, T, D] of one chunk whose record names ``spec``."""
+    w = SIZES.get(dtype, 1)
+    if spec.codec == "byteplane_zstd":
+        return byteplane_decode(stored, H * T * D * w, w)
+    P, Q = token_split(spec, t0, t0 + T, lo, hi)
+    M = T - P - Q
+    if spec.codec == "fp8":
+        nscales = {"tensor": 1, "head": H, "token": H * M}[spec.scale_granularity] if M else 0
+        length = H * (P + Q) * D * w + 4 * nscales + H * M * D
+    else:
+        G = spec.group_size
+        ng = H * -(-M // G) * D if spec.group_axis == "tokens" else H * M * -(-D // G)
+        ps = {"f16": 2, "bf16": 2, "f32": 4}[spec.scale_dtype]
+        nparams = ng * (1 if spec.symmetric else 2) if M else 0
+        length = H * (P + Q) * D * w + nparams * ps + -(-H * M * D * spec.bits // 8)
+    body = stored
+    if len(stored) != length:
+        assert len(stored) < length and spec.lossless != "raw"
+        if spec.lossless == "zstd":
+            body = zstandard.ZstdDecompressor().decompress(stored)
+        else:
+            body = byteplane_decode(stored, length, w)
+    assert len(body) == length
+    sink = body[: H * P * D * w]
+    resid = body[H * P * D * w : H * (P + Q) * D * w]
+    at = H * (P + Q) * D * w
+    out = [[[b""] * D for _ in range(T)] for _ in range(H)]
+    for h in range(H):
+        for t in range(P):
+            for d in range(D):
+                i = ((h * P) + t) * D + d
+                out[h][t][d] = sink[i * w : (i + 1) * w]
+        for t in range(Q):
+            for d in range(D):
+                i = ((h * Q) + t) * D + d
+                out[h][P + M + t][d] = resid[i * w : (i + 1) * w]
+    if M and spec.codec == "fp8":
+        scales = [struct.unpack_from("<f", body, at + 4 * k)[0] for k in range(nscales)]
+        at += 4 * nscales
+        for h in range(H):
+            for m in range(M):
+                for d in range(D):
+                    code = body[at + (h * M + m) * D + d]
+                    s = {"tensor": 0, "head": h, "token": h * M + m}[spec.scale_granularity]
+                    assert math.isfinite(scales[s]) and scales[s] > 0
+                    out[h][P + m][d] = to_dtype(f32(fp8_value(code, spec.fp8_format) * scales[s]), dtype)
+    elif M:
+        ps = {"f16": 2, "bf16": 2, "f32": 4}[spec.scale_dtype]
+        scales = [param(body[at + k * ps : at + (k + 1) * ps], spec.scale_dtype) for k in range(ng)]
+        at += ng * ps
+        zeros = None
+        if not spec.symmetric:
+            zeros = [param(body[at + k * ps : at + (k + 1) * ps], spec.scale_dtype) for k in range(ng)]
+            at += ng * ps
+        b, G = spec.bits, spec.group_size
+        codes = body[at:]
+        for h in range(H):
+            for m in range(M):
+                for d in range(D):
+                    i = (h * M + m) * D + d
+                    u = (codes[i * b // 8] >> (i * b % 8)) & ((1 << b) - 1)
+                    if spec.group_axis == "tokens":
+                        g = (h * -(-M // G) + m // G) * D + d
+                    else:
+                        g = (h * M + m) * -(-D // G) + d // G
+                    if spec.symmetric:
+                        x = f32((u - (1 << (b - 1))) * scales[g])
+                    else:
+                        x = f32(f32(u * scales[g]) + zeros[g])
+                    out[h][P + m][d] = to_dtype(x, dtype)
+    return b"".join(out[h][t][d] for h in range(H) for t in range(T) for d in range(D))
+
+
+def decode_container(data) -> dict:
+    """{(layer, component): [H, T, D] array} of a whole container, chunk by chunk through
+    ``decode`` above (raw and zstd chunks with zstandard directly): the expected values of
+    the codec tests and of the codec conformance vectors."""
+    import kvwire
+    from kvwire import registry as R
+
+    out: dict = {}
+    with kvwire.open(data) as r:
+        h = r.header
+        for i, rec in enumerate(r.records):
+            c = r._info(i)
+            lt = h.layer_tokens[c.layer]
+            stored = bytes(r._stored(i, True)[1])
+            idx = int(rec["reserved0"])
+            if idx:
+                b = decode(h.codec_specs[idx - 1], h.dtype, stored, *c.shape, c.token_start, lt.start, lt.stop)
+            elif c.codec == "zstd":
+                b = zstandard.ZstdDecompressor().decompress(stored)
+            else:
+                b = stored
+            arr = np.frombuffer(b, R.DTYPES[h.dtype][2]).reshape(c.shape)
+            out.setdefault((c.layer, c.component), {})[c.token_start] = arr
+    return {k: np.concatenate([v[t] for t in sorted(v)], axis=1) for k, v in out.items()}
