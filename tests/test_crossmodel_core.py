@@ -250,6 +250,17 @@ def test_map6_layer_for():
     got = [kvwire.open(kvwire.encode(kvwire.KVCache(h, forge_layers(h)))).layer_for(r) for r in range(9)]
     assert got == [S(0, "copy", 0, 0), S(1, "recompute"), S(2, "alias", 0, 0), S(3, "alias", 1, -1),
                    S(4, "drop"), S(5, "copy", 1, 5), S(6, "alias", 1, 5), S(7, "recompute"), S(8, "recompute")]
+    # Reader.load_mapped applies the plan: copies own their tensors, aliases share them, and
+    # recompute/drop/unlisted layers get nothing
+    cache = kvwire.KVCache(h, forge_layers(h))
+    with kvwire.open(kvwire.encode(cache)) as r:
+        layers = r.load_mapped(9)
+    assert [x is None for x in layers] == [False, True, False, False, True, False, False, True, True]
+    assert layers[2] is layers[0] and layers[6] is layers[5] and layers[3] is not layers[5]
+    for recv, t in ((0, 0), (3, 1), (5, 1)):
+        for comp, x in layers[recv].items():
+            assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(cache.layers[t][comp]).view(np.uint8))
+    assert not np.shares_memory(np.asarray(layers[3]["k"]), np.asarray(layers[5]["k"]))
     plain = map_header([], shared)
     from kvwire.layermap import layer_for
 

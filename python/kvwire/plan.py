@@ -31,13 +31,14 @@ class CodecCost:
 
 
 # Measured by benchmarks/bench_fidelity.py (benchmarks/results/fidelity.json, "codec_costs"):
-# bits per element of the trained fidelity model's bf16 caches with every container byte
-# counted (960-token caches, 256-token chunks), decode GB/s of the numpy reference decoder
-# on one busy CPU core. Receivers with a GPU decoder are far faster: pass your own.
+# Bits per element of the trained fidelity model's bf16 caches with every container byte
+# counted (960-token caches, 256-token chunks; benchmarks/results/fidelity.md), and the
+# one-core Reader.load GB/s of the numpy reference decoder on an idle 2-core VM
+# (benchmarks/results/codecs.md). Receivers with a GPU decoder are far faster: pass your own.
 DEFAULT_CODECS = (
     CodecCost("raw", 16.04, math.inf, True),
-    CodecCost("zstd", 10.74, 0.5, True),
-    CodecCost("byteplane", 9.93, 0.5, True),
+    CodecCost("zstd", 10.74, 0.67, True),
+    CodecCost("byteplane", 9.93, 1.31, True),
 )
 
 

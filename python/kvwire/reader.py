@@ -268,6 +268,32 @@ class Reader:
 
         return layer_for(self.header, receiver_layer)
 
+    def load_mapped(self, receiver_layers: int, *, verify: bool = True, backend: str = "numpy",
+                    device=None) -> list:
+        """The layer map applied (KVW-MAP-6): for receiver layers ``0..receiver_layers-1``,
+        the ``{component: tensor}`` each one uses, or None where it recomputes or drops.
+
+        A ``copy`` gets a buffer of its own; an ``alias`` gets the very tensors of its owner
+        (or of the one buffer shared by the aliases of an unowned transmitted layer), so a
+        layer sent once is decoded once and held once however many receivers use it.
+        """
+        out: list = []
+        shared: dict[int, dict] = {}  # transmitted layer -> the tensors of its unowned aliases
+        for r in range(receiver_layers):
+            src = self.layer_for(r)
+            if src.op == "copy":
+                out.append(self.layer(src.transmitted_layer, verify=verify, backend=backend, device=device))
+            elif src.op == "alias" and src.owner >= 0:
+                out.append(out[src.owner])  # the owner is a lower receiver layer (KVW-MAP-4)
+            elif src.op == "alias":
+                if src.transmitted_layer not in shared:
+                    shared[src.transmitted_layer] = self.layer(src.transmitted_layer, verify=verify,
+                                                               backend=backend, device=device)
+                out.append(shared[src.transmitted_layer])
+            else:
+                out.append(None)
+        return out
+
     def sparse_layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None) -> list:
         """Sparse containers: per kv head of ``layer``, ``{"positions", "k", "v"}`` (spec/sparse.md)."""
         from .sparse import read_sparse_layer
