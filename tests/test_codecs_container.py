@@ -325,7 +325,8 @@ def test_cspec9_lossy_spec_only_on_kv_components():
 
 
 def test_chunk7_reserved0_without_the_bit_and_evol9_codecs_without_the_bit():
-    """KVW-CHUNK-7 and KVW-EVOL-9 still hold in containers without the feature."""
+    """KVW-CHUNK-7 and KVW-EVOL-9 still hold in containers without the feature: reserved0 only
+    gains its meaning under the codec_specs bit, which older readers reject (KVW-EVOL-8)."""
     data = kvwire.encode(kv_cache(layers=1, tokens=40), form="stream")
     forge.expect(forge.rebuild(data, edit=forge.set_records(reserved0=(0, 1))), kvwire.LayoutError,
                  "RESERVED_NONZERO", "KVW-CHUNK-7")

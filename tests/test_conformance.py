@@ -413,6 +413,7 @@ def test_a_reader_that_skips_padding_is_caught(broken):
 
 
 def test_wrong_error_codes_fail_or_warn(broken):
+    """KVW-ERR-1: a rejection with a code the violated rule does not prescribe fails the vector."""
     sel = ["*/pre1-bad-magic", "*/hdr3-root-offset", "*/valid/dtype-f16"]
     strict = run_impls([broken("wrong-codes")], sel, levels=("reader",))
     assert failing(strict) == {"1.0/invalid/pre1-bad-magic"}  # FB_BOUNDS is right for hdr3-root-offset

@@ -305,6 +305,22 @@ def test_xm_exact_and_verdict_truth():
     assert not kvwire.Verdict("incompatible", reasons=("x",))
 
 
+def test_xm1_decided_from_the_header_bytes_alone():
+    """KVW-XM-1: the verdict needs only the preamble and header: every body byte may be missing."""
+    h = sent()
+    rng = np.random.default_rng(0)
+    layers = [{c: rng.standard_normal(s.shape(c, r.count)).astype(kvwire.registry.DTYPES["bf16"][2])
+               for c in s.components} for s, r in zip(h.arch.layers, h.layer_tokens)]
+    data = kvwire.encode(kvwire.KVCache(h, layers))
+    with pytest.raises(kvwire.TruncatedError) as cut:
+        kvwire.probe(data[:40])
+    head = data[: cut.value.needed]
+    assert len(head) < len(data) // 2
+    assert kvwire.check_compatible(kvwire.probe(head), local(h)) == kvwire.Verdict("exact")
+    other = kvwire.check_compatible(kvwire.probe(head), local(h, identity=ident(h.arch, weights=b"o" * 32)))
+    assert other.status == "incompatible" and other.reasons == ("weights: fingerprints differ",)
+
+
 def test_xm3_xm4_every_identity_reason_is_reported():
     """KVW-XM-3, KVW-XM-4: tokenizer and config both reported; missing fingerprints are reasons unless waived."""
     h = sent(model=ident(kvwire.Architecture.uniform(4, 4, 8, rope=kvwire.RopeParams()), config=b"c" * 32))
@@ -381,6 +397,7 @@ def test_xm6_layer_map_path():
     assert v.reasons == ("tokenizer: fingerprints differ",
                          "layer 3: from transmitted layer 1: kind 'sliding_attention' != 'full_attention'",
                          "layer 3: from transmitted layer 1: window 4 != 0")
+    # KVW-MAP-7: a receiver with fewer layers than an entry's receiver_layer refuses the map
     few = kvwire.check_compatible(h, LocalModel(kvwire.Architecture((FULL, FULL)), "bf16", me.identity))
     assert "layer map: entry for receiver layer 3, the receiver has 2 layers" in few.reasons
     assert kvwire.check_compatible(h, dataclasses.replace(me, accept_layer_map=False)).reasons == (

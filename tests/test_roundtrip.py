@@ -246,6 +246,7 @@ def test_raw_chunks_are_views_of_the_buffer():
 
 
 def test_raw_chunks_are_views_of_the_mapped_file(tmp_path):
+    """KVW-CODEC-1: a raw body is used in place (zero copy)."""
     cache = forge.small_cache(compressible=False)
     path = tmp_path / "c.kvw"
     kvwire.save(path, cache)

@@ -580,6 +580,21 @@ def test_layout1_bad_body_offset(form):
     expect(forge.rebuild(ENC[form, "raw"], edit=edit), LayoutError, "BAD_OFFSET", "KVW-LAYOUT-1", stage="open")
 
 
+@pytest.mark.parametrize("form", ["file", "stream"])
+@pytest.mark.parametrize("offset, stored", [(2**64 - 64, 2**63), (64, 2**64 - 1)])
+def test_conv4_offset_and_length_sums_never_wrap(form, offset, stored):
+    """KVW-CONV-4: offset + stored_length past 2**64 must not wrap into a passing check; the
+    error is that of the rule whose check needed the sum (bounds in the file form, the
+    layout rule in the stream form)."""
+    data = kvwire.encode(forge.small_cache(), form=form, codec="zstd")
+
+    def edit(recs):
+        recs[1]["offset"], recs[1]["stored_length"] = offset, stored
+
+    code, rule = ("BODY_OUT_OF_BOUNDS", "KVW-LAYOUT-5") if form == "file" else ("BAD_OFFSET", "KVW-LAYOUT-1")
+    expect(forge.rebuild(data, edit=edit), LayoutError, code, rule, stage="open")
+
+
 def test_layout1_misaligned_body_offset_in_the_index():
     def edit(recs):
         recs[0]["offset"] -= 8
