@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     lossless_costs = [c for c in measured if c.lossless]
     pps = 1.5 / (MODELS["llama-3-8b"].elements_per_token * 2 * 8 / 32e9)
     plan_lossless = sweep(pps, lossless_costs)
+    plan_densest = sweep(pps, lossless_costs, prefer="densest")
     plan_gpu = sweep(pps, [CodecCost(c.name, c.bits_per_element, math.inf, c.lossless) for c in lossless_costs])
 
     cfg = trained.config
@@ -303,10 +304,12 @@ def main(argv=None) -> int:
         "",
         plan_lossless,
         "",
-        "With this slow decoder the default `prefer=\"densest\"` rule shows its cost at very long contexts: "
-        "late chunks are so expensive to recompute that even a 0.3 GB/s decode beats recomputing them, so "
-        "they go compressed and the decoder, not the link, bounds the pipelined time "
-        "(`prefer=\"fastest\"` sends them raw instead and spares time rather than link bytes).",
+        "With `prefer=\"densest\"` (the fewest bits, sparing a shared link) this slow decoder shows its cost at "
+        "very long contexts: late chunks are so expensive to recompute that even a 0.3 GB/s decode beats "
+        "recomputing them, so they go compressed and the decoder, not the link, bounds the pipelined time "
+        "(the default `prefer=\"fastest\"` above sends them raw instead):",
+        "",
+        plan_densest,
         "",
         "The same with a decoder that keeps up with the link (e.g. on the GPU):",
         "",

@@ -57,7 +57,7 @@ def test_brief_example_32_gbps_loads_only_long_contexts_64_loads_all():
 
 def test_densest_codec_that_beats_recompute():
     slow_dense = CodecCost("dense", 4.0, 2.0)
-    p = kvwire.plan("100Gbps", 131072, PPS, [RAW, slow_dense])
+    p = kvwire.plan("100Gbps", 131072, PPS, [RAW, slow_dense], prefer="densest")
     # early chunks: the slow decoder loses to recompute, raw does not; late chunks: dense wins
     assert p.chunks[0].codec == "raw" and p.chunks[-1].codec == "dense"
     for c in p.chunks:
@@ -65,7 +65,8 @@ def test_densest_codec_that_beats_recompute():
         if c.codec == "raw":  # the denser codec must not have beaten recompute here
             elements = c.tokens * LLAMA.elements_per_token
             assert elements * 4 / 8 * 8 / 100e9 + elements * 2 / 2e9 >= c.recompute_s
-    fast = kvwire.plan("100Gbps", 131072, PPS, [RAW, slow_dense], prefer="fastest")
+    fast = kvwire.plan("100Gbps", 131072, PPS, [RAW, slow_dense])  # the default: prefer="fastest"
+    assert fast == kvwire.plan("100Gbps", 131072, PPS, [RAW, slow_dense], prefer="fastest")
     assert {c.codec for c in fast.chunks} == {"raw"}
     assert fast.pipelined_s <= p.pipelined_s and fast.stored_bytes > p.stored_bytes
 

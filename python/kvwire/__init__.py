@@ -8,6 +8,9 @@ First screen of the API::
     kvwire.probe(first_bytes)           # the header alone, from the first bytes
     kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
     kvwire.layouts.bind(name, buffers)  # engine buffers (vLLM, SGLang, LMCache...) <-> chunks
+    kvwire.save(path, cache, codec="kivi2")          # byteplane, fp8-e4m3, int8, int4-g32...
+    kvwire.check_compatible(header, local_model)     # exact / convertible / incompatible
+    kvwire.adapters.hf.from_hf(cache, model)         # transformers DynamicCache <-> KVCache
 
 The package uses relative imports only and keeps no global state, so it can be
 vendored under another name.

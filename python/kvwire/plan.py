@@ -1,7 +1,8 @@
 """Load or recompute: a sender-side policy (informative spec: spec/policy.md).
 
-Per chunk of the context, load its KV with the densest codec whose transfer + decode
-time beats recomputing the chunk (prefilling it on the receiver), else recompute. The
+Per chunk of the context, load its KV with a codec whose transfer + decode time beats
+recomputing the chunk (prefilling it on the receiver): the fastest such codec by default,
+or the densest (``prefer="densest"``, sparing a shared link); else recompute. The
 cost of recomputing a chunk grows with its position (each token attends to every earlier
 one), transfer cost does not, so late chunks of a long context are the first worth
 loading. Everything here is arithmetic over the inputs: no torch, no I/O.
@@ -177,7 +178,7 @@ def recompute_seconds(model: ModelCost, start: int, tokens: int, prefill_tokens_
 
 def plan(bandwidth, context_tokens: int, prefill_tokens_per_s: float, codecs: Sequence[CodecCost] = DEFAULT_CODECS,
          *, model: ModelCost | str = "llama-3-8b", chunk_tokens: int = 256, cached_tokens: int = 0,
-         latency_s: float = 0.0, prefer: str = "densest") -> Plan:
+         latency_s: float = 0.0, prefer: str = "fastest") -> Plan:
     """Decide, per chunk of ``chunk_tokens``, load (with which codec) or recompute.
 
     ``bandwidth``: the link, bits/s or text ('32Gbps'); ``codecs``: the acceptable codecs
@@ -185,8 +186,9 @@ def plan(bandwidth, context_tokens: int, prefill_tokens_per_s: float, codecs: Se
     holds (neither loaded nor recomputed); ``latency_s``: a one-time cost before the first
     byte arrives (request round trip, store lookup): if the plan with it is not faster
     than recomputing everything, everything is recomputed; ``prefer``: among the codecs that beat
-    recomputing, "densest" (fewest bits: spares the shared link) or "fastest" (least
-    transfer + decode time: lowest latency)."""
+    recomputing, "fastest" (least transfer + decode time: lowest latency, the default) or
+    "densest" (fewest bits: spares a shared link, but a slow decoder can then bound the
+    time, spec/policy.md section 4)."""
     bps = parse_bandwidth(bandwidth)
     model = MODELS[model] if isinstance(model, str) else model
     if context_tokens < 0 or chunk_tokens <= 0 or prefill_tokens_per_s <= 0 or not 0 <= cached_tokens <= context_tokens:
@@ -300,7 +302,7 @@ def configure_cli(p) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--cached-tokens", type=int, default=0)
     p.add_argument("--latency-ms", type=float, default=0.0)
-    p.add_argument("--prefer", choices=("densest", "fastest"), default="densest")
+    p.add_argument("--prefer", choices=("fastest", "densest"), default="fastest")
     p.add_argument("--sweep", action="store_true", help="print the bandwidth x context matrix instead")
     p.set_defaults(func=cmd_plan)
 
