@@ -211,3 +211,31 @@ ADDITION = {
         "KVW-MAP-7": "Receiver behaviour.",
     },
 }
+
+
+def gen_rope_truncate(g) -> None:
+    """RopeParams field 17 ``truncate`` (spec/kvwire-v1.md 6.4, crossmodel.md KVW-ROPE-3/7):
+    gpt-oss-style untruncated YaRN on sliding and full layers."""
+    from kvwire import RopeParams
+
+    yarn = RopeParams("yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                      beta_slow=1.0, attention_factor=1.3465735902799727, truncate=False)
+    sliding = LayerSpec("sliding_attention", 2, 8, 8, window=4, rope=yarn)
+    full = LayerSpec("full_attention", 2, 8, 8, rope=yarn)
+    h = Header(Architecture((sliding, full), rope=yarn), token_count=6, dtype="bf16", chunk_tokens=4,
+               producer=PRODUCER, layer_tokens=(TokenRange(3, 3), TokenRange(0, 6)))
+    c = _cache(h, 7101)
+    assert kvwire.load(kvwire.encode(c)).header.arch.rope.truncate is False
+    g.valid("rope-yarn-untruncated", kvwire.encode(c), c, writer={"form": "file", "codec": "raw"},
+            rules=["KVW-ROPE-3", "KVW-ROPE-7"],
+            description="RopeParams.truncate = false (field 17) on the architecture and on both layer specs: "
+                        "gpt-oss's YaRN, whose correction range is not rounded to whole dimensions; a reader "
+                        "reports truncate false (its neutral JSON has \"truncate\": false), and a reader that "
+                        "predates field 17 sees the default true")
+
+
+ADDITION_ROPE_TRUNCATE = {
+    "make": gen_rope_truncate,
+    "spec": "spec/kvwire-v1.md section 6.4 (RopeParams field 17 truncate) and spec/crossmodel.md KVW-ROPE-3/7",
+    "rules_without_vector": {},
+}

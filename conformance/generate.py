@@ -1335,6 +1335,7 @@ import add_crossmodel  # noqa: E402  (spec/crossmodel.md)
 
 ADDITIONS = {
     "crossmodel": add_crossmodel.ADDITION,
+    "rope_truncate": add_crossmodel.ADDITION_ROPE_TRUNCATE,
     "codecs": add_codecs.ADDITION,
     "sparse": add_sparse.ADDITION,
     "engine_layout": {
