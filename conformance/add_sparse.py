@@ -209,3 +209,40 @@ ADDITION = {
                          "from a loaded sparse cache matches attention over exactly the retained tokens.",
     },
 }
+
+
+def gen_sparse_codecs(g) -> None:
+    """Codec specs in sparse containers (spec/codecs.md KVW-CSPEC-8, spec/sparse.md
+    KVW-SPARSE-15): one-head chunks, sink and residual tokens counted in each head's own
+    retained list. Expected values: the literal decoder of tests/codec_reference.py."""
+    import codec_reference as ref
+
+    from kvwire import CodecSpec
+
+    rng = np.random.default_rng(5301)
+    dense = _dense(2, 2, 22, 5302, dtype="bf16", chunk_tokens=8)
+    masks = [rng.random((2, 22)) < 0.7 for _ in range(2)]
+    sparse = SparseKVCache.from_mask(dense, masks, method="h2o")
+    kivi_k = CodecSpec("int_affine", bits=2, group_size=4, group_axis="tokens", scale_dtype="f16", sink_tokens=1,
+                       residual_tokens=3)
+    kivi_v = CodecSpec("int_affine", bits=4, group_size=8, group_axis="channels", scale_dtype="f16",
+                       residual_tokens=3, lossless="zstd")
+    data = kvwire.encode(sparse, codec={"k": kivi_k, "v": kivi_v}, form="stream")
+    want = ref.decode_sparse_container(data)
+    assert kvwire.load(data).equal(want)
+    g.valid("sparse-kivi-windows", data, want, writer={"form": "stream", "codec": "raw"},
+            rules=["KVW-CSPEC-8", "KVW-SPARSE-15", "KVW-INT-1", "KVW-SPARSE-9"],
+            description="an H2O-style sparse cache (2 layers x 2 kv heads, bf16, chunks of 8, retained counts "
+                        f"{list(sparse.header.sparse.retained_counts)}) with KIVI-style codecs: K int_affine 2 bits "
+                        "per channel over 4 tokens, V 4 bits per token over 8 channels with a zstd stage; the "
+                        "first retained token of each head (sink) and its last 3 (residual) are stored exact, "
+                        "counted in the head's own retained list, not in positions; POSITIONS stay raw/zstd; "
+                        "expected values from the literal decoder (the writer case is raw: the encode protocol "
+                        "names codecs only)")
+
+
+ADDITION_CODECS = {
+    "make": gen_sparse_codecs,
+    "spec": "spec/codecs.md KVW-CSPEC-8 and spec/sparse.md KVW-SPARSE-15 (codec specs in sparse containers)",
+    "rules_without_vector": {},
+}

@@ -1338,6 +1338,7 @@ ADDITIONS = {
     "rope_truncate": add_crossmodel.ADDITION_ROPE_TRUNCATE,
     "codecs": add_codecs.ADDITION,
     "sparse": add_sparse.ADDITION,
+    "sparse_codecs": add_sparse.ADDITION_CODECS,
     "engine_layout": {
         "make": gen_engine_layout,
         "spec": "spec/kvwire-v1.md section 5.9 (header field 16, table EngineLayout)",

@@ -194,3 +194,58 @@ def decode_container(data) -> dict:
             arr = np.frombuffer(b, R.DTYPES[h.dtype][2]).reshape(c.shape)
             out.setdefault((c.layer, c.component), {})[c.token_start] = arr
     return {k: np.concatenate([v[t] for t in sorted(v)], axis=1) for k, v in out.items()}
+
+
+def _zeros_like_sparse(h):
+    """Per layer, per kv head: zero arrays of the retained counts (filled chunk by chunk)."""
+    from kvwire import registry as R
+
+    counts = iter(h.sparse.retained_counts)
+    out = []
+    for spec in h.arch.layers:
+        heads = []
+        for _ in range(1 if spec.kind == "mla_latent" else 0 if spec.kind == "shared" else spec.num_kv_heads):
+            n = next(counts)
+            head = {"positions": np.zeros(n, np.int64)}
+            for c in R.KIND_COMPONENTS[spec.kind]:
+                head[c] = np.zeros((n, spec.shape(c, 1)[2]), R.DTYPES[h.dtype][2])
+            heads.append(head)
+        out.append(heads)
+    return out
+
+
+def decode_sparse_container(data):
+    """The expected decode of a sparse container, chunk by chunk through the literal decoder
+    of tests/codec_reference.py with ``[lo, hi) = [0, count(layer, head))`` (KVW-CSPEC-8)
+    and ``H = 1`` (KVW-SPARSE-15); positions through the reference reader."""
+    import kvwire
+    from kvwire.sparse import SparseKVCache
+
+    with kvwire.open(data) as r:
+        h = r.header
+        layers = _zeros_like_sparse(h)
+        for i, rec in enumerate(r.records):
+            c = r._info(i)
+            hd = int(rec["head_start"])
+            dst = layers[c.layer][hd][c.component]
+            t0, n = c.token_start, c.token_count
+            if c.component == "positions":
+                dst[t0 : t0 + n] = r.chunk(c.layer, "positions", _chunk_index(r, i))
+                continue
+            assert c.shape[0] == 1  # one head per chunk (KVW-SPARSE-7)
+            stored = bytes(r._stored(i, True)[1])
+            idx = int(rec["reserved0"])
+            if idx:
+                count = int(h.sparse.retained_counts[int(r._table.offsets[c.layer]) + hd])
+                b = decode(h.codec_specs[idx - 1], h.dtype, stored, *c.shape, t0, 0, count)
+            else:
+                b = zstandard.ZstdDecompressor().decompress(stored) if c.codec == "zstd" else stored
+            dst[t0 : t0 + n] = np.frombuffer(b, dst.dtype).reshape(n, -1)
+    return SparseKVCache(h, layers)
+
+
+def _chunk_index(r, i: int) -> int:
+    rec = r.records[i]
+    return int(np.flatnonzero(r._lookup == i)[0]) - int(r._table.base[int(rec["layer"]), int(rec["component"])])
+
+

@@ -37,9 +37,10 @@ VECTORS = ROOT / "conformance" / "vectors"
 # after the old ones) and the pin here is updated; a new format version adds a folder and a line.
 # 1.0 history: 34f96eba... (frozen set), 25f1d286... (+ engine_layout, spec 5.9),
 # 85a4ee1f... (+ crossmodel, codecs, sparse: spec/crossmodel.md, codecs.md, sparse.md),
-# e30a13fe... (+ rope_truncate: RopeParams field 17).
+# e30a13fe... (+ rope_truncate: RopeParams field 17),
+# 0c53990d... (+ sparse_codecs: codec specs in sparse containers).
 PINNED_MANIFESTS = {
-    "1.0": "e30a13fea431639077cddb65f78308b5954f02676ac3176441a31a9c7326b668",
+    "1.0": "0c53990dce9a64d458e7d67abefc3af02a4c4b69c39ee0ef1275c00d328562e1",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {}

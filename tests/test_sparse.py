@@ -9,14 +9,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import codec_reference as ref
 import forge
 import kvwire
-from kvwire import chunks
+from kvwire import CodecSpec, chunks, codecs
 from kvwire import registry as R
 from kvwire.errors import CodecError, FeatureError, LayoutError, SchemaError
 from kvwire.header import Architecture, Header, LayerSpec, TokenRange
 from kvwire.sparse import SparseEncoder, SparseKVCache, decode_positions, encode_positions
-from kvwire.sparse_header import SPARSE_BIT, SparseInfo, SparseTable, check_sparse, check_sparse_records
+from kvwire.sparse_header import (
+    SPARSE_BIT, SparseInfo, SparseTable, check_sparse, check_sparse_records, planned_sparse_chunks,
+)
+from kvwire.tensors import as_numpy, as_uint
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -52,19 +56,7 @@ def from_events(header, events) -> SparseKVCache:
     return SparseKVCache(header, layers)
 
 
-def _empty_like(h: Header):
-    counts = iter(h.sparse.retained_counts)
-    out = []
-    for spec in h.arch.layers:
-        heads = []
-        for _ in range(1 if spec.kind == "mla_latent" else 0 if spec.kind == "shared" else spec.num_kv_heads):
-            n = next(counts)
-            head = {"positions": np.zeros(n, np.int64)}
-            for c in R.KIND_COMPONENTS[spec.kind]:
-                head[c] = np.zeros((n, spec.shape(c, 1)[2]), R.DTYPES[h.dtype][2])
-            heads.append(head)
-        out.append(heads)
-    return out
+_empty_like = ref._zeros_like_sparse
 
 
 def stream_expect(data, cls, code, rule=None):
@@ -201,6 +193,179 @@ def test_heads_may_retain_nothing():
     data = kvwire.encode(s)
     assert forge.read_all(data).equal(s) and s.header.token_count == 10
     assert kvwire.open(data).chunk_count == 3 * (0 + 1 + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# codec specs on sparse K/V chunks (spec/codecs.md, KVW-SPARSE-15, KVW-CSPEC-8)
+# ---------------------------------------------------------------------------------------
+
+LOSSLESS_CHOICES = ["byteplane", CodecSpec("byteplane_zstd")]
+LOSSY_CHOICES = ["int8", "int8-asym", "int4-g32-zstd", "kivi2", "kivi4", "fp8-e4m3", "fp8-e4m3-token", "fp8-e5m2",
+                 "fp8-e4m3fnuz", CodecSpec("fp8", scale_granularity="tensor", lossless="byteplane_zstd")]
+
+windowed_specs = st.builds(
+    lambda codec, bits, G, axis, sym, gran, sink, resid: (
+        CodecSpec("int_affine", bits=bits, group_size=G, group_axis=axis, symmetric=sym, sink_tokens=sink,
+                  residual_tokens=resid) if codec == "int_affine" else
+        CodecSpec("fp8", scale_granularity=gran, sink_tokens=sink, residual_tokens=resid)),
+    st.sampled_from(["int_affine", "fp8"]), st.sampled_from([2, 4, 8]), st.integers(1, 9),
+    st.sampled_from(["tokens", "channels"]), st.booleans(), st.sampled_from(["tensor", "head", "token"]),
+    st.integers(0, 6), st.integers(0, 12))
+
+
+sparse_reference = ref.decode_sparse_container
+
+
+def assert_every_read_path(data, want: SparseKVCache) -> None:
+    """Reader.load, Reader.sparse_layer, Reader.chunk and StreamDecoder events (both
+    forms) all decode to ``want``, bit for bit."""
+    with kvwire.open(data) as r:
+        r.validate()
+        assert r.load().equal(want)
+        h = r.header
+        for layer in range(h.num_layers):
+            got = SparseKVCache(h, [r.sparse_layer(i) if i == layer else want.layers[i] for i in range(h.num_layers)])
+            assert got.equal(want)
+        for layer, comp, t0, hd in planned_sparse_chunks(h):
+            if comp == "positions":
+                continue
+            index = int(r._table.head_base[int(r._table.offsets[layer]) + hd]) + t0 // h.chunk_tokens
+            x = r.chunk(layer, comp, index)
+            n = x.shape[1]
+            assert x.shape[0] == 1
+            assert x[0].tobytes() == as_numpy(want.layers[layer][hd][comp])[t0 : t0 + n].tobytes()
+    assert from_events(want.header, stream_events(data)).equal(want)
+
+
+def _same_tensors(a: SparseKVCache, b: SparseKVCache) -> bool:
+    return all(as_numpy(x[c]).tobytes() == as_numpy(y[c]).tobytes()
+               for p, q in zip(a.layers, b.layers) for x, y in zip(p, q) for c in x)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(heads=st.integers(1, 3), tokens=st.integers(1, 40), density=st.floats(0, 1), chunk_tokens=st.integers(1, 12),
+       codec=st.one_of(st.sampled_from(LOSSLESS_CHOICES + LOSSY_CHOICES), windowed_specs),
+       dtype=st.sampled_from(["bf16", "f16", "f32"]), form=st.sampled_from(["file", "stream"]),
+       seed=st.integers(0, 2**16))
+def test_sparse_codec_specs_round_trip(heads, tokens, density, chunk_tokens, codec, dtype, form, seed):
+    """KVW-SPARSE-9/15, KVW-CSPEC-8: every codec of the dense path encodes sparse K/V
+    chunks; lossless pipelines round-trip exactly, lossy ones decode (on every read path)
+    to the literal reference decoder's bytes with H = 1 and sink/residual tokens counted in
+    the head's retained index space, whose kept rows are exact; POSITIONS stay raw/zstd."""
+    dense = forge.small_cache(layers=2, heads=heads, tokens=tokens, seed=seed, dtype=dtype, chunk_tokens=chunk_tokens,
+                              head_dim=8, head_dim_v=12)
+    rng = np.random.default_rng(seed)
+    s = SparseKVCache.from_mask(dense, [rng.random((heads, tokens)) < density for _ in range(2)])
+    data = kvwire.encode(s, codec=codec, form=form)
+    with kvwire.open(data) as r:
+        recs, h = r.records, r.header
+    pos = recs["component"] == R.COMPONENTS["positions"]
+    assert (recs["reserved0"][pos] == 0).all() and np.isin(recs["codec"][pos], [0, 1]).all()  # KVW-SPARSE-9
+    want = sparse_reference(data)
+    assert want.header == h
+    lossless = codec in LOSSLESS_CHOICES
+    assert not lossless or _same_tensors(want, s)
+    assert_every_read_path(data, want)
+    spec = codecs.resolve(codec, "k")
+    if not lossless and (spec.sink_tokens or spec.residual_tokens):  # KVW-CSPEC-8: kept rows are exact
+        for i in range(2):
+            for hd in range(heads):
+                n = len(s.positions(i, hd))
+                keep = [t for t in range(n) if t < spec.sink_tokens or t >= n - spec.residual_tokens]
+                for comp in ("k", "v"):
+                    a, b = as_uint(want.layers[i][hd][comp]), as_uint(s.layers[i][hd][comp])
+                    assert a[keep].tobytes() == b[keep].tobytes()
+
+
+def test_sparse_lossy_codecs_on_mla_and_shared_layers():
+    """KVW-SPARSE-15: LATENT chunks of an MLA layer (one head) take lossy pipelines too;
+    a shared layer has no chunks."""
+    rng = np.random.default_rng(5)
+    arch = Architecture((LayerSpec("mla_latent", 1, 12, 0, kv_lora_rank=8, qk_rope_head_dim=4),
+                         LayerSpec("shared", source_layer=0), LayerSpec("full_attention", 2, 4, 6)))
+    h = Header(arch=arch, token_count=30, dtype="bf16", chunk_tokens=8)
+    layers = [{"latent": forge.random_tensor(rng, (1, 30, 12), "bf16")}, {},
+              {"k": forge.random_tensor(rng, (2, 30, 4), "bf16"), "v": forge.random_tensor(rng, (2, 30, 6), "bf16")}]
+    s = SparseKVCache.from_mask(kvwire.KVCache(h, layers),
+                                [rng.random((1, 30)) < 0.6, None, rng.random((2, 30)) < 0.6])
+    for codec in ("kivi2", "fp8-e4m3"):
+        data = kvwire.encode(s, codec=codec)
+        with kvwire.open(data) as r:
+            assert (r.records["reserved0"][r.records["component"] == R.COMPONENTS["latent"]] > 0).all()
+        assert_every_read_path(data, sparse_reference(data))
+
+
+def test_sparse15_fp8_head_granularity_is_one_scale_per_chunk():
+    """KVW-SPARSE-15 / KVW-FP8-2: a sparse chunk has H = 1, so `head` granularity stores one
+    fp32 scale for the chunk (4 + tokens x dim bytes) and decodes like `tensor`."""
+    s = sparse_cache(dtype="bf16", density=0.5)
+    data = kvwire.encode(s, codec="fp8-e4m3")
+    with kvwire.open(data) as r:
+        for i, rec in enumerate(r.records):
+            if rec["reserved0"]:
+                c = r._info(i)
+                assert c.shape[0] == 1 and rec["stored_length"] == 4 + c.token_count * c.shape[2]
+        head = r.load()
+    tensor = kvwire.load(kvwire.encode(s, codec=CodecSpec("fp8", scale_granularity="tensor")))
+    assert _same_tensors(head, tensor)
+
+
+def test_cspec8_windows_count_in_the_heads_retained_index_space():
+    """KVW-CSPEC-8: in a sparse container sink_tokens / residual_tokens are valid and count
+    the first / last retained tokens of each head (not positions, not the layer's range):
+    with S = 1 and R = 2 exactly those rows of every head are kept bit for bit."""
+    s = sparse_cache(dtype="f16", density=0.6, tokens=30, chunk_tokens=4)
+    spec = CodecSpec("int_affine", bits=2, group_size=4, sink_tokens=1, residual_tokens=2)
+    data = kvwire.encode(s, codec=spec)
+    back = kvwire.load(data)
+    assert back.header.codec_specs == (spec,)
+    for i in range(2):
+        for hd in range(3):
+            n = len(s.positions(i, hd))
+            kept = sorted({0, n - 2, n - 1} & set(range(n)))
+            a, b = as_uint(back.layers[i][hd]["k"]), as_uint(s.layers[i][hd]["k"])
+            assert a[kept].tobytes() == b[kept].tobytes()
+            assert n <= 3 or a.tobytes() != b.tobytes()  # the middle rows are quantized to 2 bits
+
+
+def test_sparse9_writer_refuses_codec_specs_chosen_for_positions():
+    """KVW-SPARSE-9: a per-chunk choice (mapping or callable) of a codec spec for POSITIONS
+    is refused by the writer; a single codec for the whole cache gives POSITIONS zstd."""
+    s = sparse_cache()
+    for bad in ({(0, "positions"): "fp8-e4m3", None: "raw"}, {(1, "positions"): "byteplane", None: "int8"},
+                lambda layer, comp, t0: "int8"):
+        with pytest.raises(ValueError, match="KVW-SPARSE-9"):
+            kvwire.encode(s, codec=bad)
+    with pytest.raises(ValueError, match="KVW-SPARSE-9"):
+        SparseEncoder(s.header, codec=lambda layer, comp, t0, head: CodecSpec("int_affine") if head else "zstd")
+    data = kvwire.encode(s, codec=lambda layer, comp, t0: "zstd" if comp == "positions" else "int8")
+    with kvwire.open(data) as r:
+        kinds = {(R.COMPONENT_BY_CODE[c], int(sp) > 0) for c, sp in zip(r.records["component"], r.records["reserved0"])}
+    assert kinds == {("k", True), ("v", True), ("positions", False)}
+
+
+def test_sparse_callable_may_choose_per_head():
+    """KVW-SPARSE-15: a callable with a ``head`` keyword chooses per (layer, component, head,
+    cell); mappings by (layer, component) apply to every head."""
+    s = sparse_cache(dtype="bf16", density=0.7)
+
+    def pick(layer, comp, t0, head):
+        return "raw" if comp == "positions" else ("int8" if head == 1 else "byteplane")
+
+    data = kvwire.encode(s, codec=pick)
+    with kvwire.open(data) as r:
+        h, recs = r.header, r.records
+        for rec in recs:
+            if rec["component"] != R.COMPONENTS["positions"] and rec["reserved0"]:
+                want = "int_affine" if rec["head_start"] == 1 else "byteplane_zstd"
+                assert h.codec_specs[rec["reserved0"] - 1].codec == want
+        assert {int(x) for x in recs["head_start"][recs["reserved0"] > 0]} >= {1}
+    assert_every_read_path(data, sparse_reference(data))
+    mapped = kvwire.encode(s, codec={(0, "k"): "int8", None: "raw"})
+    with kvwire.open(mapped) as r:
+        lossy = r.records["reserved0"] > 0
+        assert set(r.records["layer"][lossy]) == {0} and set(r.records["component"][lossy]) == {R.COMPONENTS["k"]}
+        assert set(r.records["head_start"][lossy]) == {0, 1, 2}
 
 
 # ---------------------------------------------------------------------------------------
@@ -432,8 +597,8 @@ def test_writer_refuses_what_a_reader_would_reject():
         kvwire.Encoder(s.header)
     with pytest.raises(ValueError, match="dense one by Encoder"):
         SparseEncoder(forge.small_cache().header)
-    with pytest.raises(ValueError, match="'raw' or 'zstd'"):
-        kvwire.encode(s, codec="fp8")
+    with pytest.raises(ValueError, match="unknown codec"):
+        kvwire.encode(s, codec="fp9")
     enc = SparseEncoder(s.header)
     enc.begin()
     head = s.layers[0][0]

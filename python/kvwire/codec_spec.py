@@ -146,9 +146,10 @@ def _invalid(i: int, rule: str, msg: str):
     raise SchemaError("CODEC_SPEC_INVALID", f"codec_specs[{i}]: {msg}", rule=rule)
 
 
-def check_codec_spec(s: CodecSpec, i: int, dtype: str, sparse: bool = False) -> None:
-    """Rules of one spec, in the order of spec/codecs.md section 1.1 (KVW-CSPEC-3..8, KVW-FP8-1,
-    KVW-INT-1..2)."""
+def check_codec_spec(s: CodecSpec, i: int, dtype: str) -> None:
+    """Rules of one spec, in the order of spec/codecs.md section 1.1 (KVW-CSPEC-3..6, KVW-FP8-1,
+    KVW-INT-1..2). KVW-CSPEC-8 (sparse containers count sink and residual tokens per head)
+    rejects nothing: ``codecs.lossy_range`` applies it."""
     for attr, enum in _ENUMS.items():
         if getattr(s, attr) not in enum:
             raise SchemaError("ENUM_OUT_OF_RANGE", f"codec_specs[{i}].{attr} {getattr(s, attr)!r}",
@@ -163,8 +164,6 @@ def check_codec_spec(s: CodecSpec, i: int, dtype: str, sparse: bool = False) -> 
             _invalid(i, "KVW-CSPEC-5", f"{s.codec} does not use {f.name}; it must keep its default {f.default!r}")
     if s.lossy and dtype not in FLOAT_DTYPES:
         _invalid(i, "KVW-CSPEC-6", f"lossy codec {s.codec} on header dtype {dtype}: needs bf16, f16 or f32")
-    if sparse and (s.sink_tokens or s.residual_tokens):
-        _invalid(i, "KVW-CSPEC-8", "sink_tokens/residual_tokens in a sparse container")
     if s.codec == "fp8" and s.fp8_format not in FP8_FORMATS:
         _invalid(i, "KVW-FP8-1", f"fp8_format {s.fp8_format!r}: must be f8_e4m3fn, f8_e5m2 or f8_e4m3fnuz")
     if s.codec == "int_affine":
@@ -176,7 +175,7 @@ def check_codec_spec(s: CodecSpec, i: int, dtype: str, sparse: bool = False) -> 
 
 
 def check_codec_specs(h) -> None:
-    """Header rules of ``codec_specs`` (KVW-CSPEC-1..8); called by ``check_header``."""
+    """Header rules of ``codec_specs`` (KVW-CSPEC-1..6); called by ``check_header``."""
     specs = h.codec_specs
     if not specs:
         if h.required_features & FEATURE_BIT:  # bit 0 alone: the unassigned bit of 1.0 draft rev. 1
@@ -187,9 +186,8 @@ def check_codec_specs(h) -> None:
         _invalid(0, "KVW-CSPEC-1", "codec_specs present without the codec_specs required feature bit")
     if len(specs) > MAX_CODEC_SPECS:
         raise LimitError("LIMIT_EXCEEDED", f"{len(specs)} codec specs, limit {MAX_CODEC_SPECS}", rule="KVW-CSPEC-2")
-    sparse = getattr(h, "sparse", None) is not None
     for i, s in enumerate(specs):
-        check_codec_spec(s, i, h.dtype, sparse)
+        check_codec_spec(s, i, h.dtype)
 
 
 # ---------------------------------------------------------------------------------------

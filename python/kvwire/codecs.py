@@ -11,6 +11,7 @@ lossless stage is bounded the same way.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import replace
 
@@ -148,12 +149,19 @@ class CodecPlan:
 
     def __init__(self, header, codec, level: int = DEFAULT_ZSTD_LEVEL):
         from .chunks import planned_chunks
+        from .sparse_header import planned_sparse_chunks
 
         specs = list(header.codec_specs)
+        sparse = header.sparse is not None
 
         def index(choice, comp, strict=True):  # "raw", "zstd" or a codec_spec >= 1, new specs in first-use order
             c = resolve(choice, comp)
-            if isinstance(c, CodecSpec) and c.lossy and comp not in LOSSY_COMPONENTS:  # KVW-CSPEC-9
+            if comp == "positions" and isinstance(c, CodecSpec):  # KVW-SPARSE-9: raw or zstd only
+                if strict:
+                    raise ValueError(f"codec {c.codec} chosen for POSITIONS chunks: they are raw or zstd "
+                                     "(KVW-SPARSE-9)")
+                c = "zstd"  # one codec for the whole cache: the varint positions take zstd instead
+            elif isinstance(c, CodecSpec) and c.lossy and comp not in LOSSY_COMPONENTS:  # KVW-CSPEC-9
                 if strict:
                     raise ValueError(f"lossy codec {c.codec} chosen for component {comp!r}: only k, v and latent")
                 c = "raw"  # one codec for the whole cache: non-KV tensors (e.g. state) stay exact
@@ -171,10 +179,18 @@ class CodecPlan:
         else:  # the same for every chunk of a component: no per-chunk table
             pick = None
             used = dict.fromkeys(comp for s_ in header.arch.layers for comp in s_.components)
+            if sparse:
+                used["positions"] = None
             self._by_comp = {comp: index(codec, comp, strict=False) for comp in used}
-        if pick is not None:
-            self._choice = {(layer, comp, t0): index(pick(layer, comp, t0), comp)
-                            for layer, comp, t0, _ in planned_chunks(header)}
+        if pick is not None:  # keyed (layer, component, token_start, head); head 0 in dense containers
+            if sparse:  # per-head cells (KVW-SPARSE-7); a callable taking ``head`` also gets the head
+                call = (lambda layer, comp, t0, hd: pick(layer, comp, t0, head=hd)) if _takes_head(pick) else \
+                    (lambda layer, comp, t0, hd: pick(layer, comp, t0))
+                self._choice = {(layer, comp, t0, hd): index(call(layer, comp, t0, hd), comp)
+                                for layer, comp, t0, hd in planned_sparse_chunks(header)}
+            else:
+                self._choice = {(layer, comp, t0, 0): index(pick(layer, comp, t0), comp)
+                                for layer, comp, t0, _ in planned_chunks(header)}
         if len(specs) != len(header.codec_specs):
             header = header.replace(codec_specs=tuple(specs), required_features=header.required_features | FEATURE_BIT)
         self.header = header
@@ -182,10 +198,12 @@ class CodecPlan:
         self._planes = byteplane.plane_compressor(level) if any(
             s.codec == "byteplane_zstd" or s.lossless == "byteplane_zstd" for s in specs) else None
 
-    def encode(self, layer: int, component: str, token_start: int, x: np.ndarray, pieces: list, raw_length: int):
-        """(codec name, codec_spec, stored pieces) of one chunk; ``pieces`` are its raw bytes."""
+    def encode(self, layer: int, component: str, token_start: int, x: np.ndarray, pieces: list, raw_length: int,
+               head: int = 0):
+        """(codec name, codec_spec, stored pieces) of one chunk; ``pieces`` are its raw bytes,
+        ``x`` its [heads, tokens, dim] array (``head``: a sparse chunk's one head)."""
         c = self._by_comp.get(component, "raw") if self._choice is None else \
-            self._choice.get((layer, component, token_start), "raw")
+            self._choice.get((layer, component, token_start, head), "raw")
         if c == "raw":
             return "raw", 0, pieces
         if c == "zstd":
@@ -198,9 +216,8 @@ class CodecPlan:
             if sum(memoryview(p).nbytes for p in stored) >= raw_length:  # KVW-BPZ-4
                 return "raw", 0, pieces
             return spec.codec, c, stored
-        r = h.layer_tokens[layer]
-        lay = quant.layout(spec, h.dtype, x.shape[0], x.shape[2], token_start, token_start + x.shape[1], r.start,
-                           r.stop)
+        lay = quant.layout(spec, h.dtype, x.shape[0], x.shape[2], token_start, token_start + x.shape[1],
+                           *lossy_range(h, layer, head))
         body = quant.encode(spec, x, lay)
         if spec.lossless != "raw":  # chained stage, kept only when it is shorter (KVW-CSPEC-7)
             joined = b"".join(memoryview(p).cast("B") for p in body)
@@ -213,13 +230,34 @@ class CodecPlan:
         return spec.codec, c, body
 
 
+def _takes_head(pick) -> bool:
+    try:
+        return "head" in inspect.signature(pick).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+
+
+def lossy_range(h, layer: int, head: int = 0) -> tuple[int, int]:
+    """``[lo, hi)`` in which sink and residual tokens are counted (KVW-LOSSY-1): the layer's
+    token range, or in a sparse container the head's retained index space
+    ``[0, count(layer, head))`` (KVW-CSPEC-8)."""
+    if h.sparse is not None:
+        from .sparse_header import retained_count
+
+        return 0, retained_count(h, layer, head)
+    r = h.layer_tokens[layer]
+    return r.start, r.stop
+
+
 def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, shape: tuple, layer: int,
-                 token_start: int, out=None):
+                 token_start: int, out=None, head: int = 0):
     """Raw bytes (header dtype) of one chunk body, whatever its pipeline.
 
     ``spec_index`` is the record's ``codec_spec`` (``reserved0``; 0 without the feature),
-    ``shape`` the chunk's [heads, tokens, dim]. Like ``decode_body``, returns a buffer of
-    ``raw_length`` bytes, or fills ``out``: a buffer, or (codec specs only) an array
+    ``shape`` the chunk's [heads, tokens, dim], ``head`` a sparse chunk's ``head_start``
+    (lossy specs count sink and residual tokens in its index space, KVW-CSPEC-8). Like
+    ``decode_body``, returns a buffer of ``raw_length`` bytes, or fills ``out``: a buffer,
+    or (codec specs only) an array
     [heads, tokens, dim] of the dtype's width with any strides, decoded in place.
     """
     if not spec_index:
@@ -238,8 +276,7 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
         data = byteplane.decode(stored, raw_length, h.itemsize, out=target)
     else:
         heads, tokens, dim = shape
-        r = h.layer_tokens[layer]
-        lay = quant.layout(spec, h.dtype, heads, dim, token_start, token_start + tokens, r.start, r.stop)
+        lay = quant.layout(spec, h.dtype, heads, dim, token_start, token_start + tokens, *lossy_range(h, layer, head))
         body = _lossless_stage(spec, stored, lay.length, h.itemsize)
         data = quant.decode(spec, body, lay, h.dtype, out=target)
     if target is not None and target is out:

@@ -433,7 +433,8 @@ class StreamDecoder:
                 if hasher.intdigest() != rec[_CHECKSUM]:
                     raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
             if codec != "raw":
-                raw = decode_chunk(self.header, codec, rec[_SPEC], stored, rec[_RAW], shape, layer, rec[_T0])
+                raw = decode_chunk(self.header, codec, rec[_SPEC], stored, rec[_RAW], shape, layer, rec[_T0],
+                                   head=rec[_HEAD0] if self.header.sparse is not None else 0)
             else:
                 raw = stored
             if comp == "positions":  # sparse: int64 positions, checked against the previous and next cells

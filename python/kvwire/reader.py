@@ -221,7 +221,9 @@ class Reader:
         """Raw bytes of record ``i``'s stored body (or into ``out``), through its codec spec
         when the record names one (``reserved0``, spec/codecs.md)."""
         spec = int(self.records["reserved0"][i]) if self.header.codec_specs else 0
-        return decode_chunk(self.header, c.codec, spec, stored, c.raw_length, c.shape, c.layer, c.token_start, out)
+        head = int(self.records["head_start"][i]) if self.header.sparse is not None else 0  # its own token space
+        return decode_chunk(self.header, c.codec, spec, stored, c.raw_length, c.shape, c.layer, c.token_start, out,
+                            head)
 
     # -- whole layers ------------------------------------------------------------------
 

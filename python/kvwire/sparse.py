@@ -20,7 +20,8 @@ from . import registry as R
 from .codecs import DEFAULT_ZSTD_LEVEL, decode_body
 from .header import Header, check_header
 from .sparse_header import (
-    SPARSE_BIT, PositionOrder, SparseInfo, decode_positions, encode_positions, layer_heads, sparse_components,
+    SPARSE_BIT, PositionOrder, SparseInfo, decode_positions, encode_positions, layer_heads, retained_count,
+    sparse_components,
 )
 from .tensors import as_numpy, as_uint, carve, dtype_name, empty
 from .writer import Encoder
@@ -192,9 +193,11 @@ class SparseEncoder(Encoder):
 
     _SPARSE = True
 
-    def __init__(self, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL):
-        if codec not in ("raw", "zstd"):  # codec specs (spec/codecs.md) are not wired to per-head chunks yet
-            raise ValueError(f"sparse containers are written with codec 'raw' or 'zstd', not {codec!r}")
+    def __init__(self, header: Header, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL):
+        """``codec`` as for ``Encoder`` (spec/codecs.md): K/V/LATENT chunks take any pipeline,
+        POSITIONS chunks raw or zstd (KVW-SPARSE-9; a single codec spec gives them zstd, a
+        per-chunk choice of a spec for them is refused). A callable may take a ``head=``
+        keyword to choose per head."""
         super().__init__(header, codec=codec, level=level)
         self._order = PositionOrder(header.chunk_tokens)
 
@@ -222,17 +225,17 @@ class SparseEncoder(Encoder):
             body = encode_positions(x, h.first_position)
             self._order.add(layer, head, token_start, x)
             self._filled[slot] = True
-            return self._emit(layer, component, token_start, n, head, 1, [memoryview(body)])
+            return self._emit(layer, component, token_start, n, head, 1, [memoryview(body)], x=x)
         want = (n, spec.shape(component, 1)[2])
         if tuple(x.shape) != want or x.dtype != R.DTYPES[h.dtype][2]:
             raise ValueError(f"layer {layer} head {head} {component}: {x.shape} {x.dtype}, need {want} {h.dtype}")
         self._filled[slot] = True
         u = as_uint(x)
         return self._emit(layer, component, token_start, n, head, 1,
-                          [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")])
+                          [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")], x=x[None])
 
 
-def iter_sparse_buffers(cache: SparseKVCache, *, form: str = "file", codec: str = "raw",
+def iter_sparse_buffers(cache: SparseKVCache, *, form: str = "file", codec="raw",
                         level: int = DEFAULT_ZSTD_LEVEL):
     """The container's buffers in canonical order: layer, component, head, cell (KVW-SPARSE-7)."""
     h = cache.header
@@ -261,9 +264,8 @@ def read_positions(reader, i: int, verify: bool = True) -> np.ndarray:
 
 def _row_shapes(h: Header, layer: int) -> list[dict]:
     """Per head of ``layer``: {component: (retained tokens, dim)} of its K/V/LATENT rows."""
-    spec, counts = h.arch.layers[layer], h.sparse.retained_counts
-    first = sum(layer_heads(s) for s in h.arch.layers[:layer])
-    return [{c: (counts[first + hd], spec.shape(c, 1)[2]) for c in R.KIND_COMPONENTS[spec.kind]}
+    spec = h.arch.layers[layer]
+    return [{c: (retained_count(h, layer, hd), spec.shape(c, 1)[2]) for c in R.KIND_COMPONENTS[spec.kind]}
             for hd in range(layer_heads(spec))]
 
 

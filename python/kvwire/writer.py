@@ -47,13 +47,9 @@ class Encoder:
         if (header.sparse is not None) != self._SPARSE:
             raise ValueError("a sparse header is written by kvwire.sparse.SparseEncoder, a dense one by Encoder")
         header = with_state_bit(header)  # required bits follow from the header (KVW-STATE-1)
-        self._plan = None
-        if self._SPARSE:
-            if codec not in R.CODECS:
-                raise ValueError(f"codec must be one of {sorted(R.CODECS)}, not {codec!r}")
-        else:  # every chunk's pipeline, known before the header is built (spec/codecs.md)
-            self._plan = CodecPlan(header, codec, level)
-            header = self._plan.header
+        # every chunk's pipeline, known before the header is built (spec/codecs.md; sparse: per head)
+        self._plan = CodecPlan(header, codec, level)
+        header = self._plan.header
         self.header = header
         self.codec = codec
         self._bodies = BodyEncoder(codec if isinstance(codec, str) and codec in ("raw", "zstd") else "raw", level)
@@ -130,7 +126,8 @@ class Encoder:
         raw_length = sum(p.nbytes for p in pieces)
         codec, stored, codec_spec = bodies.codec, pieces, 0
         if x is not None and self._plan is not None:
-            codec, codec_spec, stored = self._plan.encode(layer, component, token_start, x, pieces, raw_length)
+            codec, codec_spec, stored = self._plan.encode(layer, component, token_start, x, pieces, raw_length,
+                                                          head_start)
         elif codec != "raw":
             stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
