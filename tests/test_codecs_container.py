@@ -435,3 +435,16 @@ def test_corrupt_bodies_with_valid_checksums_fail_cleanly(preset, chunk, pos, va
         forge.read_all(forge.assemble(p))
     except kvwire.FormatError:
         pass
+
+
+def test_bpz4_incompressible_chunks_fall_back_to_raw():
+    """KVW-BPZ-4: a chunk whose byteplane body would not be shorter is stored raw, codec_spec 0."""
+    rng = np.random.default_rng(11)
+    noise = rng.integers(0, 256, (2, 40, 16, 2), dtype=np.uint8).view(ml_dtypes.bfloat16)[..., 0]
+    noise = np.where(np.isfinite(noise.astype(np.float32)), noise, 0).astype(ml_dtypes.bfloat16)
+    c = kvwire.KVCache.from_tensors([noise], [noise]).with_header(chunk_tokens=16)
+    with kvwire.open(kvwire.encode(c, codec="byteplane")) as r:
+        assert set(r.records["codec"].tolist()) == {R.CODECS["raw"]}
+        assert not r.records["reserved0"].any()
+        assert forge.cache_bytes_equal(r.load(), c.with_header(**{
+            "codec_specs": r.header.codec_specs, "required_features": r.header.required_features}))

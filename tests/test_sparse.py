@@ -169,16 +169,22 @@ def test_streaming_llm_constructor():
     assert kvwire.load(kvwire.encode(s, codec="zstd")).equal(s)
 
 
-def test_mla_and_shared_layers():
-    """KVW-SPARSE-2/3/6: an MLA layer has one head (LATENT + POSITIONS), a shared layer none."""
-    rng = np.random.default_rng(3)
+def mla_shared_full(rng, *, tokens: int, chunk_tokens: int, keep: float) -> SparseKVCache:
+    """An MLA layer, a layer sharing it and a full-attention layer (bf16), each head keeping
+    a random ``keep`` share of the tokens."""
     arch = Architecture((LayerSpec("mla_latent", 1, 12, 0, kv_lora_rank=8, qk_rope_head_dim=4),
                          LayerSpec("shared", source_layer=0), LayerSpec("full_attention", 2, 4, 6)))
-    h = Header(arch=arch, token_count=9, dtype="bf16", chunk_tokens=4)
-    layers = [{"latent": forge.random_tensor(rng, (1, 9, 12), "bf16")}, {},
-              {"k": forge.random_tensor(rng, (2, 9, 4), "bf16"), "v": forge.random_tensor(rng, (2, 9, 6), "bf16")}]
-    dense = kvwire.KVCache(h, layers)
-    s = SparseKVCache.from_mask(dense, [rng.random((1, 9)) < 0.5, None, rng.random((2, 9)) < 0.5])
+    h = Header(arch=arch, token_count=tokens, dtype="bf16", chunk_tokens=chunk_tokens)
+    layers = [{"latent": forge.random_tensor(rng, (1, tokens, 12), "bf16")}, {},
+              {"k": forge.random_tensor(rng, (2, tokens, 4), "bf16"),
+               "v": forge.random_tensor(rng, (2, tokens, 6), "bf16")}]
+    return SparseKVCache.from_mask(kvwire.KVCache(h, layers),
+                                   [rng.random((1, tokens)) < keep, None, rng.random((2, tokens)) < keep])
+
+
+def test_mla_and_shared_layers():
+    """KVW-SPARSE-2/3/6: an MLA layer has one head (LATENT + POSITIONS), a shared layer none."""
+    s = mla_shared_full(np.random.default_rng(3), tokens=9, chunk_tokens=4, keep=0.5)
     assert len(s.header.sparse.retained_counts) == 3 and s.layers[1] == []
     for form in ("file", "stream"):
         data = kvwire.encode(s, form=form, codec="zstd")
@@ -280,14 +286,7 @@ def test_sparse_codec_specs_round_trip(heads, tokens, density, chunk_tokens, cod
 def test_sparse_lossy_codecs_on_mla_and_shared_layers():
     """KVW-SPARSE-15: LATENT chunks of an MLA layer (one head) take lossy pipelines too;
     a shared layer has no chunks."""
-    rng = np.random.default_rng(5)
-    arch = Architecture((LayerSpec("mla_latent", 1, 12, 0, kv_lora_rank=8, qk_rope_head_dim=4),
-                         LayerSpec("shared", source_layer=0), LayerSpec("full_attention", 2, 4, 6)))
-    h = Header(arch=arch, token_count=30, dtype="bf16", chunk_tokens=8)
-    layers = [{"latent": forge.random_tensor(rng, (1, 30, 12), "bf16")}, {},
-              {"k": forge.random_tensor(rng, (2, 30, 4), "bf16"), "v": forge.random_tensor(rng, (2, 30, 6), "bf16")}]
-    s = SparseKVCache.from_mask(kvwire.KVCache(h, layers),
-                                [rng.random((1, 30)) < 0.6, None, rng.random((2, 30)) < 0.6])
+    s = mla_shared_full(np.random.default_rng(5), tokens=30, chunk_tokens=8, keep=0.6)
     for codec in ("kivi2", "fp8-e4m3"):
         data = kvwire.encode(s, codec=codec)
         with kvwire.open(data) as r:

@@ -48,7 +48,7 @@ from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
 from .reader import _check_version
 from .sparse_header import PositionOrder, decode_positions
 from .state import state_tensor_of
-from .tensors import as_numpy, as_uint, view
+from .tensors import as_numpy, as_uint, view, writable
 
 # ChunkRecord fields in RECORD_DTYPE order: offset, stored_length, raw_length, checksum, token_start,
 # token_count, layer, component, codec, flags, head_start, head_count, reserved0, reserved1
@@ -450,7 +450,7 @@ class StreamDecoder:
                     src.release()
                 data = dst
             else:
-                data = view(raw if codec == "raw" else bytearray(raw), 0, dtype, shape, self.backend)
+                data = view(raw if codec == "raw" else writable(raw), 0, dtype, shape, self.backend)
         finally:
             if isinstance(stored, memoryview) and pieces is None:
                 stored.release()  # the stream buffer must be resizable again

@@ -28,7 +28,7 @@ from .errors import ChecksumError, LayoutError, LimitError, TruncatedError, Vers
 from .header import Header, parse_header
 from .state import read_state_layer, state_tensor_of
 from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
-from .tensors import as_numpy, as_uint, carve, empty, is_torch, view
+from .tensors import as_numpy, as_uint, carve, empty, is_torch, view, writable
 
 
 def _check_version(header: Header, minor: int) -> None:
@@ -215,7 +215,7 @@ class Reader:
                 self._scratch = bytearray(c.raw_length)
             out = memoryview(self._scratch)[: c.raw_length]
         data = self.decode_stored(i, c, stored, out)
-        return view(bytearray(data) if backend == "torch" else data, 0, dtype, shape, backend)
+        return view(writable(data) if backend == "torch" else data, 0, dtype, shape, backend)
 
     def decode_stored(self, i: int, c: "ChunkInfo", stored, out=None):
         """Raw bytes of record ``i``'s stored body (or into ``out``), through its codec spec
@@ -337,9 +337,9 @@ class Reader:
             end = c.offset + c.stored_length
         check_zero(buf, end, next_frame_offset(end, a))
         if self.header.sparse is not None:  # positions: encoding and order across cells (spec/sparse.md)
-            from .sparse import read_sparse
+            from .sparse import check_positions
 
-            read_sparse(self)
+            check_positions(self)
 
     # -- lifetime ----------------------------------------------------------------------
 

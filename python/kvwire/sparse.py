@@ -291,12 +291,29 @@ def read_sparse_layer(reader, layer: int, *, verify: bool = True, backend: str =
                 if comp == "positions":
                     dst[t0 : t0 + n] = p = read_positions(reader, i, verify)
                     order.add(layer, hd, t0, p)
-                elif backend == "numpy":
-                    as_uint(dst)[t0 : t0 + n] = as_uint(reader._decode(i, verify, "numpy")[0])
+                elif backend == "numpy" and h.codec_specs and reader.records["reserved0"][i]:
+                    c, stored = reader._stored(i, verify)  # a codec spec decodes straight into place
+                    reader.decode_stored(i, c, stored, out=as_uint(dst)[None, t0 : t0 + n])
+                elif backend == "numpy":  # one copy (zstd through the reader's scratch buffer)
+                    as_uint(dst)[t0 : t0 + n] = as_uint(reader._decode(i, verify, "numpy", scratch=True)[0])
                 else:
                     dst[t0 : t0 + n].copy_(reader._decode(i, verify, "torch")[0])
         heads.append(head)
     return heads
+
+
+def check_positions(reader) -> None:
+    """Every POSITIONS chunk decoded and the order of positions checked across cells
+    (KVW-SPARSE-10/11) without decoding K/V again: ``Reader.validate`` has done that."""
+    h, t, order = reader.header, reader._table, PositionOrder(reader.header.chunk_tokens)
+    pos = R.COMPONENTS["positions"]
+    for layer, spec in enumerate(h.arch.layers):
+        if "positions" not in sparse_components(spec):
+            continue
+        for hd in range(layer_heads(spec)):
+            for t0, _ in t.head_chunks(layer, hd, h.chunk_tokens):
+                i = int(reader._lookup[t.slot(layer, pos, hd, t0, h.chunk_tokens)])
+                order.add(layer, hd, t0, read_positions(reader, i))
 
 
 def read_sparse(reader, *, verify: bool = True, backend: str = "numpy", device=None) -> SparseKVCache:
@@ -312,5 +329,5 @@ def read_sparse(reader, *, verify: bool = True, backend: str = "numpy", device=N
     return SparseKVCache(h, layers)
 
 
-__all__ = ["PositionOrder", "SparseEncoder", "SparseInfo", "SparseKVCache", "decode_positions", "encode_positions",
+__all__ = ["check_positions", "PositionOrder", "SparseEncoder", "SparseInfo", "SparseKVCache", "decode_positions", "encode_positions",
            "iter_sparse_buffers", "read_sparse", "read_sparse_layer"]

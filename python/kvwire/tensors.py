@@ -75,6 +75,15 @@ def byte_view(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def writable(buffer):
+    """``buffer`` itself when it is already a fresh writable buffer (a bytearray, or the
+    array a codec decoded into), else a writable copy: decoded chunks are handed out
+    writable (torch has no read-only tensors) without copying them a second time."""
+    if isinstance(buffer, bytearray) or (isinstance(buffer, np.ndarray) and buffer.flags.writeable):
+        return buffer
+    return bytearray(buffer)
+
+
 def view(buffer, offset: int, dtype: str, shape: tuple, backend: str):
     """Zero-copy array over ``buffer[offset:]``; shares memory with the buffer."""
     count = math.prod(shape)
