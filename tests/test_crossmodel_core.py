@@ -60,6 +60,10 @@ def test_state7_state_layers_round_trip(form, codec):
         assert ssm.dtype == ml_dtypes.bfloat16 and ssm.shape == (1, 2, 5, 3)
         assert ssm.tobytes() == c.state(1)["ssm"].tobytes()
         assert r.layer(1)["state"]["conv"].tobytes() == c.state(1)["conv"].tobytes()
+        # layer() and load() own their memory, state tensors included: none is a view of the container
+        whole = np.frombuffer(r._buf, np.uint8)
+        assert not any(np.shares_memory(x, whole) for x in r.layer(1)["state"].values())
+        assert not any(np.shares_memory(x, whole) for x in r.load().state(1).values())
     dec = kvwire.StreamDecoder()
     dec.feed(data)
     events = [e for e in dec.events() if isinstance(e, kvwire.ChunkEvent) and e.component == "state"]

@@ -102,5 +102,8 @@ def read_state_layer(reader, layer: int, verify: bool, backend: str) -> dict:
     if reader.header.token_count:
         for index, t in enumerate(spec.state_tensors):
             i = int(reader._lookup[reader._table.base[layer, STATE] + index])
-            out[t.name] = reader._decode(i, verify, backend)
+            x = reader._decode(i, verify, backend)
+            if reader._info(i).codec == "raw":  # a view of the container: layer()/load() own their memory
+                x = x.copy() if backend == "numpy" else x.clone()
+            out[t.name] = x
     return {"state": out}
