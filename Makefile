@@ -31,7 +31,7 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
-# Regenerate python/kvwire/fbs from schemas/ (needs flatc: apt-get install flatbuffers-compiler).
+# Regenerate python/kvwire/format/fbs from schemas/ (needs flatc: apt-get install flatbuffers-compiler).
 schemas: $(STAMP)
 	$(PY) tools/gen_schemas.py
 

@@ -5,7 +5,7 @@ against plain zstd and lz4 (when installed) on the same bytes.
     .venv/bin/python benchmarks/bench_codecs.py              # 256 MiB reference cache (Llama-3-8B shape)
     .venv/bin/python benchmarks/bench_codecs.py --layers 4   # quick run (32 MiB)
 
-Data: ``kvwire.synth.synth_cache``, the cache of bench_core.py: bf16 Gaussian K and V,
+Data: ``kvwire.tools.synth.synth_cache``, the cache of bench_core.py: bf16 Gaussian K and V,
 K with ~5% outlier channels 8x larger (a synthetic stand-in for a trained model's
 cache, not a real one). GB/s are decoded (raw) bytes per second, one thread: numpy and
 zstd run single-threaded here, and the machine's load is printed with the results.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import kvwire  # noqa: E402
 from kvwire.codecs import decode_chunk  # noqa: E402
-from kvwire.synth import synth_cache  # noqa: E402
+from kvwire.tools.synth import synth_cache  # noqa: E402
 
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2"]
@@ -82,7 +82,7 @@ def render(meta: dict, rows: list, base: list, out: Path) -> None:
     lines = [
         "# Codec throughput (benchmarks/bench_codecs.py)", "",
         f"Synthetic bf16 cache {L} layers x {H} KV heads x {T} tokens x head_dim {D} "
-        f"({meta['raw_bytes'] / 2**20:.0f} MiB), K with ~5% outlier channels 8x larger (kvwire.synth; not a trained "
+        f"({meta['raw_bytes'] / 2**20:.0f} MiB), K with ~5% outlier channels 8x larger (kvwire.tools.synth; not a trained "
         f"model's cache). One thread; median of {meta['repeat']}. Load average {load[0]:.2f} at start, {end[0]:.2f} at "
         "end (a 2-core VM shared with other jobs: absolute numbers are pessimistic and vary by up to 2x between "
         "runs; compare rows of one run).", "",

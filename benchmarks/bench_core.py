@@ -37,7 +37,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))  # harmless when kvwire is installed editable
 
 import kvwire  # noqa: E402
-from kvwire.synth import synth_cache  # noqa: E402
+from kvwire.tools.synth import synth_cache  # noqa: E402
 
 PROBE_BYTES = 64 << 10
 MALLOC_TUNABLE = "glibc.malloc.mmap_threshold=131072"

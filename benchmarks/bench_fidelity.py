@@ -8,7 +8,7 @@
 Prompts are windows of the held-out stdlib files (never trained on). For each codec the
 8 prompt caches (bf16, as an engine would hold them) are encoded with ``kvwire.encode``,
 decoded with ``kvwire.load``, put back into the model with ``kvwire.adapters.hf.to_hf``
-and compared with the uncompressed cache (kvwire.fidelity). Also: key/value outlier
+and compared with the uncompressed cache (kvwire.tools.fidelity). Also: key/value outlier
 statistics of the trained model against the same architecture with random weights, and
 the load-or-recompute sweep (kvwire.plan) with the measured codec costs.
 
@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(HERE / "fidelity"))
 
 import kvwire  # noqa: E402
-from kvwire import fidelity as F  # noqa: E402
-from kvwire.codec_spec import CodecSpec  # noqa: E402
-from kvwire.plan import MODELS, CodecCost, sweep  # noqa: E402
+from kvwire.tools import fidelity as F  # noqa: E402
+from kvwire.format.codec_specs import CodecSpec  # noqa: E402
+from kvwire.codecs.policy import MODELS, CodecCost, sweep  # noqa: E402
 
 MODEL_DIR = HERE / "fidelity" / "model"
 RESULTS = HERE / "results"

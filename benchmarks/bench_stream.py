@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import kvwire  # noqa: E402
 from kvwire import stream  # noqa: E402
-from kvwire.synth import synth_cache  # noqa: E402
+from kvwire.tools.synth import synth_cache  # noqa: E402
 
 CTX = mp.get_context("fork")
 

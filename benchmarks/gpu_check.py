@@ -70,7 +70,7 @@ class Env:
     def __init__(self, args):
         import torch
 
-        from kvwire.cuda import CudaStream, SimulatedStream
+        from kvwire.cache.cuda import CudaStream, SimulatedStream
 
         self.torch = torch
         self.simulated = args.simulate
@@ -109,7 +109,7 @@ def timed(env, fn, repeat):
 
 
 def int_view(t):
-    from kvwire.cuda import int_view as iv
+    from kvwire.cache.cuda import int_view as iv
 
     return iv(t)
 
@@ -136,8 +136,8 @@ def main(argv=None) -> int:
 
     import kvwire
     from kvwire import layouts
-    from kvwire.cuda import HostRegistration, StagingRing, load_to_device
-    from kvwire.synth import synth_cache
+    from kvwire.cache.cuda import HostRegistration, StagingRing, load_to_device
+    from kvwire.tools.synth import synth_cache
 
     env = Env(args)
     dev = env.device

@@ -18,10 +18,11 @@ import zstandard
 import codec_reference as ref
 import forge
 import kvwire
-from kvwire import CodecSpec, quant
-from kvwire import registry as R
+from kvwire import CodecSpec
+from kvwire.codecs import quant
+from kvwire.format import registry as R
 from kvwire.codecs import PRESETS
-from kvwire.header import Architecture, Header, LayerSpec, TokenRange
+from kvwire.format.header import Architecture, Header, LayerSpec, TokenRange
 
 BIT = R.REQUIRED_FEATURES["codec_specs"]
 PRODUCER = kvwire.Producer("kvwire-conformance-generator", "1.0")

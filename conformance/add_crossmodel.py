@@ -15,13 +15,13 @@ import forge
 import kvwire
 from kvwire import LayerMapEntry as E
 from kvwire import LayerSpec, PrefixChain, StateTensor
-from kvwire import registry as R
-from kvwire.header import Architecture, Header, Producer, TokenRange
-from kvwire.identity import (
+from kvwire.format import registry as R
+from kvwire.format.header import Architecture, Header, Producer, TokenRange
+from kvwire.model.identity import (
     config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity, tokenizer_fingerprint,
     weights_fingerprint,
 )
-from kvwire.prefix import prefix_hashes, prefix_root
+from kvwire.format.prefix import prefix_hashes, prefix_root
 
 PRODUCER = Producer("kvwire-conformance-generator", "1.0")
 STATE_BIT = R.REQUIRED_FEATURES["state_layers"]
@@ -185,7 +185,7 @@ def gen_crossmodel(g) -> None:
     I("xm-state7-token-range", forge.rebuild(data, edit=forge.set_records(token_start=(i, 4), token_count=(i, 3))),
       rule="KVW-CHUNK-2", code="CHUNK_BOUNDARY", rules=["KVW-STATE-7"],
       description="a state chunk covering tokens [4, 7) instead of the whole range [0, 7)")
-    from kvwire.codec_spec import CodecSpec
+    from kvwire.format.codec_specs import CodecSpec
 
     p = forge.split(data)
     p.header = forge.header_of(h.replace(required_features=STATE_BIT | R.REQUIRED_FEATURES["codec_specs"],

@@ -15,10 +15,10 @@ import numpy as np
 
 import forge
 import kvwire
-from kvwire import registry as R
-from kvwire.header import Architecture, Header, LayerSpec, Producer, TokenRange
-from kvwire.sparse import SparseKVCache, encode_positions
-from kvwire.sparse_header import SPARSE_BIT
+from kvwire.format import registry as R
+from kvwire.format.header import Architecture, Header, LayerSpec, Producer, TokenRange
+from kvwire.cache.sparse import SparseKVCache, encode_positions
+from kvwire.format.sparse import SPARSE_BIT
 
 PRODUCER = Producer("kvwire-conformance-generator", "1.0")
 POS = R.COMPONENTS["positions"]
@@ -168,7 +168,7 @@ def gen_sparse(g) -> None:
     g.invalid("sparse8-positions-raw-length-long", _with_positions_body(base, bytes(37)), rule="KVW-SPARSE-8",
               code="LENGTH_MISMATCH", description=f"POSITIONS record {i} of 4 tokens has a 37-byte body (> 9 x 4)")
 
-    from kvwire.codec_spec import CodecSpec
+    from kvwire.format.codec_specs import CodecSpec
 
     spec_hdr = replace(sh, codec_specs=(CodecSpec("byteplane_zstd"),),
                        required_features=sh.required_features | R.REQUIRED_FEATURES["codec_specs"])

@@ -49,16 +49,16 @@ import zstandard  # noqa: E402
 
 import forge  # noqa: E402
 import kvwire  # noqa: E402
-from kvwire import registry as R  # noqa: E402
+from kvwire.format import registry as R  # noqa: E402
 from kvwire.conformance import neutral as N  # noqa: E402
-from kvwire.container import (  # noqa: E402
+from kvwire.format.container import (  # noqa: E402
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_frame, parse_preamble,
 )
-from kvwire.errors import FormatError  # noqa: E402
-from kvwire.header import (  # noqa: E402
+from kvwire.format.errors import FormatError  # noqa: E402
+from kvwire.format.header import (  # noqa: E402
     Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange, parse_header,
 )
-from kvwire import limits as L  # noqa: E402
+from kvwire.format import limits as L  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "conformance"))  # the add_<name>.py vector sets
 
@@ -121,7 +121,7 @@ def cache_for(header: Header, seed: int, *, compressible=False) -> kvwire.KVCach
 
 def encode_in_order(cache: kvwire.KVCache, order, *, form: str) -> bytes:
     """The container with chunks in the given order of (layer, component, token_start, count)."""
-    from kvwire.chunks import planned_chunks
+    from kvwire.format.chunks import planned_chunks
 
     enc = kvwire.Encoder(cache.header)
     out = enc.begin()
@@ -579,10 +579,10 @@ def gen_valid(g: Generator) -> None:
 def header_with_unknown_fields(h: Header) -> bytes:
     """Header bytes of ``h`` plus fields with ids no v1.0 table defines."""
     import flatbuffers  # noqa: F401
-    import kvwire.header as H
-    from kvwire.fbs import Architecture as fbArch
-    from kvwire.fbs import Header as fbHeader
-    from kvwire.fbs import LayerSpec as fbLayer
+    import kvwire.format.header as H
+    from kvwire.format.fbs import Architecture as fbArch
+    from kvwire.format.fbs import Header as fbHeader
+    from kvwire.format.fbs import LayerSpec as fbLayer
 
     patched = []
 
@@ -1220,7 +1220,7 @@ def gen_engine_layout(g: Generator) -> None:
     import torch
 
     from kvwire import layouts
-    from kvwire.header import EngineLayout
+    from kvwire.format.header import EngineLayout
 
     W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
 

@@ -1,7 +1,7 @@
 """A slow, literal decoder of spec/codecs.md, written from the text alone.
 
 Element by element with Python integers and ``struct``: no numpy broadcasting, no
-ml_dtypes, no code shared with ``kvwire.quant``/``kvwire.byteplane``. Tests and the
+ml_dtypes, no code shared with ``kvwire.codecs.quant``/``kvwire.codecs.byteplane``. Tests and the
 conformance generator compare the reference codec's bytes with it.
 """
 
@@ -175,7 +175,7 @@ def decode_container(data) -> dict:
     ``decode`` above (raw and zstd chunks with zstandard directly): the expected values of
     the codec tests and of the codec conformance vectors."""
     import kvwire
-    from kvwire import registry as R
+    from kvwire.format import registry as R
 
     out: dict = {}
     with kvwire.open(data) as r:
@@ -198,7 +198,7 @@ def decode_container(data) -> dict:
 
 def _zeros_like_sparse(h):
     """Per layer, per kv head: zero arrays of the retained counts (filled chunk by chunk)."""
-    from kvwire import registry as R
+    from kvwire.format import registry as R
 
     counts = iter(h.sparse.retained_counts)
     out = []
@@ -219,7 +219,7 @@ def decode_sparse_container(data):
     of tests/codec_reference.py with ``[lo, hi) = [0, count(layer, head))`` (KVW-CSPEC-8)
     and ``H = 1`` (KVW-SPARSE-15); positions through the reference reader."""
     import kvwire
-    from kvwire.sparse import SparseKVCache
+    from kvwire.cache.sparse import SparseKVCache
 
     with kvwire.open(data) as r:
         h = r.header

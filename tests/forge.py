@@ -1,7 +1,7 @@
 """Test helpers: small caches, and a forge that crafts containers with exactly one defect.
 
 A forged container must pass every check except the one under test, so the forge
-rebuilds containers from parts with the production builders of ``kvwire.container``
+rebuilds containers from parts with the production builders of ``kvwire.format.container``
 (``build_preamble``, ``build_frame``, ``build_end_frame``, ``build_index``,
 ``build_trailer``) and recomputes every checksum the defect would otherwise break:
 the preamble self-check and header checksum, each frame's self-check, the end frame's
@@ -15,7 +15,7 @@ Three layers of tools:
 * byte patchers (``patch_preamble``, ``patch_trailer``, ``patch_end_frame``,
   ``set_byte``...) that rewrite one field of a finished container and fix its checks.
 * ``fb_header``: a raw Header FlatBuffer from numeric codes via the generated builders
-  in ``kvwire.fbs``, bypassing ``check_header``; ``wrap_header`` puts any header bytes
+  in ``kvwire.format.fbs``, bypassing ``check_header``; ``wrap_header`` puts any header bytes
   in front of an empty (zero-chunk) stream with a correct preamble.
 """
 
@@ -30,22 +30,22 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire import registry as R
-from kvwire.container import (
+from kvwire.format import registry as R
+from kvwire.format.container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_SIZE, TRAILER_SIZE, build_end_frame, build_frame, build_index,
     build_preamble, build_trailer, check32, header_bytes, next_frame_offset, parse_preamble, xxh3,
 )
-from kvwire.fbs import Architecture as fbArch
-from kvwire.fbs import ChunkIndex as fbIndex
-from kvwire.fbs import Header as fbHeader
-from kvwire.fbs import KeyValue as fbKV
-from kvwire.fbs import LayerMapEntry as fbMap
-from kvwire.fbs import LayerSpec as fbLayer
-from kvwire.fbs import ModelIdentity as fbModel
-from kvwire.fbs import Producer as fbProducer
-from kvwire.fbs import RopeParams as fbRope
-from kvwire.fbs import TokenRange as fbRange
-from kvwire.flatbuf import Buffer
+from kvwire.format.fbs import Architecture as fbArch
+from kvwire.format.fbs import ChunkIndex as fbIndex
+from kvwire.format.fbs import Header as fbHeader
+from kvwire.format.fbs import KeyValue as fbKV
+from kvwire.format.fbs import LayerMapEntry as fbMap
+from kvwire.format.fbs import LayerSpec as fbLayer
+from kvwire.format.fbs import ModelIdentity as fbModel
+from kvwire.format.fbs import Producer as fbProducer
+from kvwire.format.fbs import RopeParams as fbRope
+from kvwire.format.fbs import TokenRange as fbRange
+from kvwire.format.flatbuf import Buffer
 
 PREAMBLE = struct.Struct("<8sHHIQII")
 PREAMBLE_FIELDS = ("magic", "major", "minor", "header_length", "header_checksum", "reserved", "check")
@@ -82,8 +82,8 @@ def small_cache(layers: int = 2, heads: int = 2, head_dim: int = 8, tokens: int 
 
 def cache_bytes_equal(a: kvwire.KVCache, b: kvwire.KVCache) -> bool:
     """Header equal and every tensor equal bit for bit (compared as uint8)."""
-    from kvwire.state import layer_tensors
-    from kvwire.tensors import as_numpy
+    from kvwire.cache.kvcache import layer_tensors
+    from kvwire.cache.tensors import as_numpy
 
     if a.header != b.header or len(a.layers) != len(b.layers):
         return False
@@ -355,7 +355,7 @@ def header_of(h: kvwire.Header, *, check: bool = False) -> bytes:
     """FlatBuffer bytes of ``h``; with ``check=False`` the semantic checks are skipped
     (``check_header`` and the writer-only ``check_writable`` are bypassed), so headers no
     writer may emit can be built."""
-    import kvwire.header as H
+    import kvwire.format.header as H
 
     if check:
         return H.build_header(h)

@@ -8,7 +8,7 @@ import pytest
 
 import forge
 import kvwire
-from kvwire.cli import main
+from kvwire.tools.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def synth_file(tmp_path_factory):
 
 
 def test_synth_writes_the_requested_cache(synth_file):
-    from kvwire.synth import synth_cache
+    from kvwire.tools.synth import synth_cache
 
     expected = synth_cache(2, 2, 16, 300, dtype="f16", chunk_tokens=128, seed=4)
     loaded = kvwire.load(synth_file)
@@ -109,10 +109,10 @@ def test_inspect_invalid_file_exits_1_with_the_code(tmp_path, capsys):
 def test_validate_as_a_subprocess(synth_file, tmp_path):
     bad = tmp_path / "trunc.kvw"
     bad.write_bytes(synth_file.read_bytes()[:-40])
-    ok = subprocess.run([sys.executable, "-m", "kvwire.cli", "validate", str(synth_file)],
+    ok = subprocess.run([sys.executable, "-m", "kvwire", "validate", str(synth_file)],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    fail = subprocess.run([sys.executable, "-m", "kvwire.cli", "validate", str(bad)],
+    fail = subprocess.run([sys.executable, "-m", "kvwire", "validate", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert fail.returncode == 1
     with pytest.raises(kvwire.FormatError) as info:

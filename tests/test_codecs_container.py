@@ -15,10 +15,10 @@ import codec_reference as ref
 import forge
 import kvwire
 from kvwire import CodecSpec, codecs
-from kvwire import registry as R
-from kvwire.codec_spec import check_spec_refs, spec_from_json, spec_to_json
+from kvwire.format import registry as R
+from kvwire.format.codec_specs import check_spec_refs, spec_from_json, spec_to_json
 from kvwire.conformance import neutral as N
-from kvwire.header import Architecture, Header, LayerSpec, parse_header
+from kvwire.format.header import Architecture, Header, LayerSpec, parse_header
 
 BIT = R.REQUIRED_FEATURES["codec_specs"]
 
@@ -313,7 +313,7 @@ def test_cspec9_record_references(edit, what):
 
 def test_cspec9_lossy_spec_only_on_kv_components():
     """KVW-CSPEC-9: a lossy spec on a component other than k, v, latent."""
-    rec = np.zeros(1, kvwire.container.RECORD_DTYPE)
+    rec = np.zeros(1, kvwire.format.container.RECORD_DTYPE)
     rec["codec"], rec["reserved0"], rec["component"] = R.CODECS["fp8"], 1, R.COMPONENTS["positions"]
     with forge.raises_code(kvwire.CodecError, "CODEC_SPEC_MISMATCH", "KVW-CSPEC-9"):
         check_spec_refs(_header(CodecSpec("fp8")), rec)
@@ -392,7 +392,7 @@ def test_evol7_codec_spec_table_is_pinned():
     and the reference codec's field list agrees with the schema."""
     from test_schema_evolution import current
 
-    from kvwire.codec_spec import _FIELDS
+    from kvwire.format.codec_specs import _FIELDS
 
     tables, _ = current()
     assert tables["CodecSpec"][: len(CODEC_SPEC_V1_1)] == CODEC_SPEC_V1_1

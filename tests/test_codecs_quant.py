@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import codec_reference as ref
-from kvwire import CodecSpec, byteplane, quant
-from kvwire import registry as R
-from kvwire.codecs import _lossless_stage
-from kvwire.errors import CodecError
+from kvwire import CodecSpec
+from kvwire.codecs import byteplane, quant
+from kvwire.format import registry as R
+from kvwire.codecs.pipeline import _lossless_stage
+from kvwire.format.errors import CodecError
 
 CCTX = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False)
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

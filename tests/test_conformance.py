@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 import kvwire
-from kvwire.cli import main
+from kvwire.tools.cli import main
 from kvwire.conformance import neutral as N
 from kvwire.conformance.runner import (
     CommandImpl, Runner, default_impl_argv, find_vectors_root, load_vector_set, load_vector_sets,
 )
-from kvwire.reader import open as kv_open
+from kvwire.cache.reader import open as kv_open
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "conformance" / "vectors"
@@ -130,7 +130,7 @@ def test_manifest_content():
         if e["kind"] == "invalid":
             assert e["rule"] in e["rules"] and e["reference_stage"] in ("open", "validate", "reassemble")
     dtypes = {json.loads((VECTORS / "1.0" / e["twin"]).read_text())["header"]["dtype"] for e in val}
-    assert dtypes == set(kvwire.registry.DTYPES)
+    assert dtypes == set(kvwire.format.registry.DTYPES)
     size = sum(p.stat().st_size for p in (VECTORS / "1.0").rglob("*") if p.is_file())
     assert size < 4 << 20, f"vectors take {size} bytes"
 
@@ -177,7 +177,7 @@ def test_twins_agree_with_the_reference_reader_and_round_trip_through_json():
 
 
 def test_the_reference_reader_reports_each_invalid_vectors_code_and_rule():
-    from kvwire.errors import FormatError
+    from kvwire.format.errors import FormatError
 
     for v in load_vector_set(VECTORS / "1.0").vectors:
         if v.kind != "invalid" or v.entry.get("input") == "segments":
@@ -309,22 +309,23 @@ BROKEN = textwrap.dedent('''
     """The reference implementation of the protocol, broken on purpose (MODE = argv[1])."""
     import json, sys, time
     import numpy as np
-    import kvwire.reader as reader
-    import kvwire.writer as writer
+    import kvwire.cache.reader as reader
+    import kvwire.cache.encoder as encoder
     from kvwire.conformance import impl
-    from kvwire.errors import FormatError
+    from kvwire.format.errors import FormatError
 
     mode = sys.argv.pop(1)
     if mode == "skip-checksum":  # never verifies body checksums
         stored = reader.Reader._stored
         reader.Reader._stored = lambda self, i, verify: stored(self, i, False)
     elif mode == "alignment-64":  # assumes 64-byte alignment whatever the header says
-        parse = reader.parse_header
+        import kvwire.format.container as container
+        parse = container.parse_header
         def parse_64(data):
             h = parse(data)
             object.__setattr__(h, "alignment", 64)
             return h
-        reader.parse_header = parse_64
+        container.parse_header = parse_64
     elif mode == "skip-padding":  # never looks at padding bytes
         reader.check_zero = lambda *a: None
     elif mode == "wrong-codes":  # rejects the right inputs, with one catch-all code

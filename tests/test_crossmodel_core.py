@@ -15,11 +15,11 @@ import forge
 import kvwire
 from kvwire import LayerMapEntry as E
 from kvwire import LayerSpec, LocalModel, StateTensor
-from kvwire import registry as R
-from kvwire.chunks import ChunkTable, check_record_fields
-from kvwire.errors import LayoutError, SchemaError
-from kvwire.header import build_header, parse_header
-from kvwire.identity import make_identity
+from kvwire.format import registry as R
+from kvwire.format.chunks import ChunkTable, check_record_fields
+from kvwire.format.errors import LayoutError, SchemaError
+from kvwire.format.header import build_header, parse_header
+from kvwire.model.identity import make_identity
 
 STATE_BIT = R.REQUIRED_FEATURES["state_layers"]
 FULL = LayerSpec("full_attention", 2, 8, 8)
@@ -77,14 +77,14 @@ def test_state1_writer_sets_the_state_layers_bit(codec):
     bits other features set (codec_specs); a header without it is still refused (KVW-EVOL-9)."""
     c = state_cache()
     bare = kvwire.KVCache(c.header.replace(required_features=0), c.layers)
-    enc = kvwire.writer.Encoder(bare.header, codec=codec)
+    enc = kvwire.cache.encoder.Encoder(bare.header, codec=codec)
     assert enc.header.required_features & STATE_BIT
     data = kvwire.encode(bare, codec=codec)
     with kvwire.open(data) as r:
         assert r.header.required_features & STATE_BIT
         assert r.layer(1)["state"]["ssm"].tobytes() == c.state(1)["ssm"].tobytes()
     plain = kvwire.Header(kvwire.Architecture((FULL,)), token_count=2, dtype="f16")
-    assert kvwire.writer.Encoder(plain).header.required_features == 0  # only when a layer is a state layer
+    assert kvwire.cache.encoder.Encoder(plain).header.required_features == 0  # only when a layer is a state layer
     with pytest.raises(SchemaError) as e:
         build_header(bare.header)
     assert e.value.code == "ENUM_OUT_OF_RANGE"
@@ -190,7 +190,7 @@ def test_state7_two_records_for_one_state_tensor():
 
 def test_state8_state_chunks_are_raw_or_zstd_without_a_codec_spec():
     """KVW-STATE-8: a state chunk through a (lossless, otherwise valid) byte-plane codec spec is STATE_INVALID."""
-    from kvwire.codec_spec import CodecSpec
+    from kvwire.format.codec_specs import CodecSpec
 
     c = state_cache()
     h = c.header.replace(required_features=STATE_BIT | R.REQUIRED_FEATURES["codec_specs"],
@@ -245,7 +245,7 @@ def test_map4_alias_before_its_owner(layer_map):
 
 def test_map6_layer_for():
     """KVW-MAP-5, KVW-MAP-6: copy, alias (owner or shared buffer), recompute, drop, unlisted layers."""
-    from kvwire.layermap import LayerSource as S
+    from kvwire.format.layermap import LayerSource as S
 
     shared = (FULL, FULL, LayerSpec("shared", source_layer=1))
     h = map_header([E(0, 0, "copy"), E(2, 0, "alias"), E(3, 1, "alias"), E(4, -1, "drop"), E(5, 2, "copy"),
@@ -266,7 +266,7 @@ def test_map6_layer_for():
             assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(cache.layers[t][comp]).view(np.uint8))
     assert not np.shares_memory(np.asarray(layers[3]["k"]), np.asarray(layers[5]["k"]))
     plain = map_header([], shared)
-    from kvwire.layermap import layer_for
+    from kvwire.format.layermap import layer_for
 
     assert [layer_for(plain, r) for r in range(3)] == [S(0, "copy", 0, 0), S(1, "copy", 1, 1), S(2, "alias", 1, 1)]
     for bad in (-1, 3):
@@ -313,7 +313,7 @@ def test_xm1_decided_from_the_header_bytes_alone():
     """KVW-XM-1: the verdict needs only the preamble and header: every body byte may be missing."""
     h = sent()
     rng = np.random.default_rng(0)
-    layers = [{c: rng.standard_normal(s.shape(c, r.count)).astype(kvwire.registry.DTYPES["bf16"][2])
+    layers = [{c: rng.standard_normal(s.shape(c, r.count)).astype(kvwire.format.registry.DTYPES["bf16"][2])
                for c in s.components} for s, r in zip(h.arch.layers, h.layer_tokens)]
     data = kvwire.encode(kvwire.KVCache(h, layers))
     with pytest.raises(kvwire.TruncatedError) as cut:
@@ -503,10 +503,10 @@ ROPES = {"default": kvwire.RopeParams(),
 @pytest.mark.parametrize("uses_rope, post, target", [(True, True, 3), (False, True, 3), (True, False, 3),
                                                      (True, True, -1), (True, True, 0)])
 def test_xm9_shift_verdict_agrees_with_rope_shift(rope, uses_rope, post, target):
-    """KVW-XM-9, KVW-ROPE-6: "shift positions" is promised exactly when kvwire.rope.shift moves the
+    """KVW-XM-9, KVW-ROPE-6: "shift positions" is promised exactly when kvwire.model.rope.shift moves the
     cache; every refusal of shift (no RoPE anywhere, as gpt2's absolute positions; unknown or
     length-dependent RoPE; parameters out of range; a negative position) is a reason."""
-    from kvwire.rope import RepositionError, shift
+    from kvwire.model.rope import RepositionError, shift
 
     arch = kvwire.Architecture((LayerSpec("full_attention", 1, 8, 8, uses_rope=uses_rope),) * 2, rope=ROPES[rope],
                                keys_post_rope=post)

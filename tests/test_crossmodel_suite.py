@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvwire import Architecture, Header, LayerMapEntry, LayerSpec, TokenRange
-from kvwire.cli import main
+from kvwire.tools.cli import main
 from kvwire.conformance import crossmodel as X
 from kvwire.conformance.runner import FAIL, PASS
 

@@ -5,7 +5,7 @@ import pytest
 
 import forge
 import kvwire
-from kvwire import registry as R
+from kvwire.format import registry as R
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _host_bytes(t) -> np.ndarray:
-    from kvwire.tensors import as_numpy
+    from kvwire.cache.tensors import as_numpy
 
     return as_numpy(t.cpu()).reshape(-1).view(np.uint8)
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvwire
-from kvwire.synth import synth_cache
+from kvwire.tools.synth import synth_cache
 
 CACHE = synth_cache(3, 2, 16, 300, chunk_tokens=128, seed=1)
 ENCODED = {(f, c): kvwire.encode(CACHE, form=f, codec=c) for f in ("stream", "file") for c in ("raw", "zstd")}

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from kvwire.cli import main
+from kvwire.tools.cli import main
 
 
 def test_end_to_end_demo_continues_identically_in_a_fresh_process(capsys):
@@ -30,7 +30,7 @@ def test_synthetic_demo_needs_only_the_core(capsys):
 
 
 def test_without_transformers_the_demo_says_how_to_install_and_falls_back():
-    code = ("import sys; sys.modules['transformers'] = None; from kvwire.cli import main; "
+    code = ("import sys; sys.modules['transformers'] = None; from kvwire.tools.cli import main; "
             "sys.exit(main(['demo', '--layers', '1', '--tokens', '64']))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -1,4 +1,4 @@
-"""Fidelity harness (kvwire.fidelity): sizes, tensor errors, model-level agreement, CLI.
+"""Fidelity harness (kvwire.tools.fidelity): sizes, tensor errors, model-level agreement, CLI.
 
 The full measurement on the trained model is benchmarks/bench_fidelity.py; these tests
 use a tiny random model and check that every number means what it says."""
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import kvwire
-from kvwire import fidelity as F
-from kvwire.cli import main
-from kvwire.synth import synth_cache
+from kvwire.tools import fidelity as F
+from kvwire.tools.cli import main
+from kvwire.tools.synth import synth_cache
 
 
 def _f32_cache(keys, values):
@@ -25,7 +25,7 @@ def _f32_cache(keys, values):
 
 
 def test_importing_fidelity_does_not_import_torch():
-    code = "import sys, kvwire, kvwire.fidelity, kvwire.plan; print('torch' in sys.modules)"
+    code = "import sys, kvwire, kvwire.tools.fidelity, kvwire.codecs.policy; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

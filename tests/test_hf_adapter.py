@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 import kvwire
 from kvwire.adapters import hf, zoo
-from kvwire.header import LayerSpec
+from kvwire.format.header import LayerSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,7 +59,7 @@ def test_kvwire_imports_transformers_only_when_an_adapter_function_runs():
     import subprocess
     import sys
 
-    code = ("import sys, kvwire, kvwire.rope, kvwire.adapters.hf, kvwire.adapters.zoo; "
+    code = ("import sys, kvwire, kvwire.model.rope, kvwire.adapters.hf, kvwire.adapters.zoo; "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -283,7 +283,8 @@ def _as_bf16(kv):
 # --- identity -----------------------------------------------------------------------------
 
 def test_identity_and_compatibility():
-    from kvwire.identity import FINGERPRINT_SCHEME, check_compatible
+    from kvwire.model.compat import check_compatible
+    from kvwire.model.identity import FINGERPRINT_SCHEME
 
     m, tok = model("llama"), zoo.tokenizer()
     ident = hf.identity(m, tok)

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
-from kvwire import identity as I
-from kvwire.errors import SchemaError
-from kvwire.header import parse_header
+from kvwire.model import identity as I
+from kvwire.format.errors import SchemaError
+from kvwire.format.header import parse_header
 
 ARCH = kvwire.Architecture.uniform(3, 2, 8)
 
@@ -244,26 +244,26 @@ def test_hdr20_identity_fields_round_trip(fw, ver, layer_fps, scheme, cfg, tok):
     fw, ver = fw.replace("\0", ""), ver.replace("\0", "")
     m = kvwire.ModelIdentity("llama", "m/x", "r", cfg, tok, b"", b"", fw, ver, layer_fps, scheme)
     h = forge.small_cache().header.replace(model=m)
-    assert parse_header(kvwire.header.build_header(h)).model == m
+    assert parse_header(kvwire.format.header.build_header(h)).model == m
 
 
 def test_id10_scheme1_lengths_checked():
     """KVW-ID-10: with scheme 1 a fingerprint is 0 or 32 bytes, the layer list 0 or 32 x num_layers."""
     h = forge.small_cache(layers=2).header
     ok = I.make_identity(h.arch, "f16", tokenizer=b"t" * 32, weights=b"w" * 32, layer_weights=b"l" * 64)
-    assert parse_header(kvwire.header.build_header(h.replace(model=ok))).model == ok
+    assert parse_header(kvwire.format.header.build_header(h.replace(model=ok))).model == ok
     for bad in (dict(tokenizer_fingerprint=b"t" * 31), dict(compat_fingerprint=b"c" * 33),
                 dict(layer_weights_fingerprints=b"l" * 32)):
         hb = forge.header_of(h.replace(model=kvwire.ModelIdentity(fingerprint_scheme=1, **bad)))
         forge.expect(forge.wrap_header(hb), SchemaError, "FINGERPRINT_INVALID", "KVW-ID-10")
     same = kvwire.ModelIdentity(tokenizer_fingerprint=b"t" * 31, layer_weights_fingerprints=b"x" * 5)
-    assert parse_header(kvwire.header.build_header(h.replace(model=same))).model == same  # scheme 0: opaque
+    assert parse_header(kvwire.format.header.build_header(h.replace(model=same))).model == same  # scheme 0: opaque
 
 
 def test_make_identity_and_framework_strings_checked_by_the_writer():
     h = forge.small_cache().header
     with pytest.raises(ValueError):
-        kvwire.header.build_header(h.replace(model=kvwire.ModelIdentity(framework="a\0b")))
+        kvwire.format.header.build_header(h.replace(model=kvwire.ModelIdentity(framework="a\0b")))
     m = I.make_identity(h.arch, "f16", tokenizer=b"t" * 32, weights=b"w" * 32, framework="transformers",
                         framework_version="5.24.0", model_id="x/y")
     assert m.fingerprint_scheme == 1 and m.compat_fingerprint == I.compat_fingerprint(

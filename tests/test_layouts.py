@@ -123,7 +123,7 @@ def _pos(name, ids, t):
 
 
 def _bytes(x):
-    from kvwire.tensors import as_numpy
+    from kvwire.cache.tensors import as_numpy
 
     return as_numpy(x.contiguous() if hasattr(x, "contiguous") else x).reshape(-1).view(np.uint8)
 

@@ -11,8 +11,8 @@ import pytest
 
 import forge
 import kvwire
-from kvwire.fbs import Header as fbHeader
-from kvwire.header import MAX_LAYOUT_DIMS, EngineLayout, build_header, parse_header
+from kvwire.format.fbs import Header as fbHeader
+from kvwire.format.header import MAX_LAYOUT_DIMS, EngineLayout, build_header, parse_header
 
 LAYOUT = EngineLayout("vllm.flash_hnd", "KV,B,N,H,C", (0, 1, 3, 2, 4), 16, "vllm/0.9.2")
 

@@ -13,11 +13,11 @@ import pytest
 
 import forge
 import kvwire
-from kvwire import registry as R
+from kvwire.format import registry as R
 
 torch = pytest.importorskip("torch")
 from kvwire import layouts  # noqa: E402
-from kvwire.cuda import SimulatedStream, StagingRing, load_to_device  # noqa: E402
+from kvwire.cache.cuda import SimulatedStream, StagingRing, load_to_device  # noqa: E402
 
 
 class CheckingRing(StagingRing):

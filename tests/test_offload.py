@@ -16,7 +16,7 @@ import kvwire
 
 torch = pytest.importorskip("torch")
 from kvwire import layouts  # noqa: E402
-from kvwire.cuda import SimulatedStream  # noqa: E402
+from kvwire.cache.cuda import SimulatedStream  # noqa: E402
 from kvwire.layouts import OffloadRing, RingFullError  # noqa: E402
 
 L, B, N, H, C = 2, 12, 4, 2, 8

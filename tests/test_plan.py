@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvwire
-from kvwire.cli import main
-from kvwire.plan import (
+from kvwire.tools.cli import main
+from kvwire.codecs.policy import (
     DEFAULT_CODECS, MODELS, CodecCost, ModelCost, parse_bandwidth, parse_codec, parse_model, pipelined_seconds,
     recompute_seconds,
 )
@@ -82,7 +82,7 @@ def test_table_and_runs():
 
 def test_pipelined_makespan():
     """Link and compute overlap; decode waits for arrival (spec/policy.md 5)."""
-    from kvwire.plan import ChunkDecision as C
+    from kvwire.codecs.policy import ChunkDecision as C
 
     chunks = [C(0, 0, 1, "recompute", None, 3.0, 0, 0, 0), C(1, 1, 1, "load", "raw", 9.0, 2.0, 1.0, 1),
               C(2, 2, 1, "load", "raw", 9.0, 2.0, 1.0, 1)]

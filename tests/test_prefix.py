@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 import forge
 import kvwire
 from kvwire import PrefixChain
-from kvwire import registry as R
-from kvwire.errors import SchemaError
-from kvwire.header import build_header, parse_header
-from kvwire.prefix import PrefixIndex, prefix_root
+from kvwire.format import registry as R
+from kvwire.format.errors import SchemaError
+from kvwire.format.header import build_header, parse_header
+from kvwire.format.prefix import prefix_root
+from kvwire.model.prefix import PrefixIndex
 
 FP = hashlib.sha256(b"model").digest()
 FULL = kvwire.LayerSpec("full_attention", 1, 4, 4)
@@ -170,16 +171,16 @@ def test_prefix_index_longest_match():
     assert idx.add("fork", header(base[:12] + [7, 7, 7, 7], 4)) == 4
     assert idx.add("other-model", header(base, 4, fp=bytes(32))) == 8
     assert idx.add("other-grid", header(base, 8)) == 4
-    assert idx.lookup(base, FP, 4) == kvwire.prefix.Hit("long", 24)
-    assert idx.lookup(base[:11], FP, 4) == kvwire.prefix.Hit("partial", 10)
+    assert idx.lookup(base, FP, 4) == kvwire.model.prefix.Hit("long", 24)
+    assert idx.lookup(base[:11], FP, 4) == kvwire.model.prefix.Hit("partial", 10)
     assert idx.lookup(base[:9], FP, 4).tokens == 8
-    assert idx.lookup(base[:12] + [7, 7, 7, 7, 1], FP, 4) == kvwire.prefix.Hit("fork", 16)
-    assert idx.lookup(base, bytes(32), 4) == kvwire.prefix.Hit("other-model", 32)
-    assert idx.lookup(base, FP, 8) == kvwire.prefix.Hit("other-grid", 32)
+    assert idx.lookup(base[:12] + [7, 7, 7, 7, 1], FP, 4) == kvwire.model.prefix.Hit("fork", 16)
+    assert idx.lookup(base, bytes(32), 4) == kvwire.model.prefix.Hit("other-model", 32)
+    assert idx.lookup(base, FP, 8) == kvwire.model.prefix.Hit("other-grid", 32)
     assert idx.lookup([1, 2, 3, 4], FP, 4) is None
     whole = chain(base, 4, root(FP, 4))
     assert idx.add("tail", header(base[24:], 4, first_position=24, prefix_root_=whole[5 * 32:6 * 32])) == 2
-    assert idx.lookup(base, FP, 4) == kvwire.prefix.Hit("tail", 32)
+    assert idx.lookup(base, FP, 4) == kvwire.model.prefix.Hit("tail", 32)
 
 
 def test_prefix_chain_longer_than_a_header_vector_is_refused_by_the_writer():

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
-from kvwire.container import FRAME_SIZE, PREAMBLE_SIZE, parse_preamble, xxh3
-from kvwire.errors import FormatError, TruncatedError
+from kvwire.format.container import FRAME_SIZE, PREAMBLE_SIZE, parse_preamble, xxh3
+from kvwire.format.errors import FormatError, TruncatedError
 
 # 1 layer x 2 heads x 16 dims x 20 tokens, chunks of 8: 6 chunks of 256-512 bytes.
 CACHE = forge.small_cache(layers=1, heads=2, head_dim=16, tokens=20, chunk_tokens=8, seed=3)

@@ -26,8 +26,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 import kvwire
 from kvwire import rope as kr
 from kvwire.adapters import hf, zoo
-from kvwire.header import Architecture, LayerSpec, RopeParams
-from kvwire.rope import RepositionError, reposition
+from kvwire.format.header import Architecture, LayerSpec, RopeParams
+from kvwire.model.rope import RepositionError, reposition
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -218,7 +218,7 @@ def test_low_precision_keys_keep_their_dtype():
     x = np.random.default_rng(2).standard_normal((2, 4, 16)).astype(np.float32)
     ref = reposition(x, 0, 50, RopeParams("default"))
     for name in ("bf16", "f16"):
-        dt = kvwire.registry.DTYPES[name][2]
+        dt = kvwire.format.registry.DTYPES[name][2]
         got = reposition(x.astype(dt), 0, 50, RopeParams("default"))
         assert got.dtype == dt
         np.testing.assert_array_equal(got, reposition(x.astype(dt).astype(np.float32), 0, 50,
@@ -301,7 +301,7 @@ def test_unknown_rope_and_state_layers_are_refused():
     """KVW-ROPE-5: no RopeParams means unknown, not defaults; KVW-ROPE-6: a state layer cannot move."""
     from types import SimpleNamespace
 
-    from kvwire.header import Header
+    from kvwire.format.header import Header
 
     with pytest.raises(RepositionError, match="unknown"):
         reposition(np.zeros((1, 2, 8), np.float32), 0, 3, None)
@@ -316,8 +316,8 @@ def test_truncate_field_round_trips():
     neutral JSON (which reports it only when false, as the 1.0 vectors predate it); the compat
     fingerprint tells the two apart."""
     from kvwire.conformance import neutral
-    from kvwire.header import build_header, parse_header
-    from kvwire.identity import compat_fingerprint
+    from kvwire.format.header import build_header, parse_header
+    from kvwire.model.identity import compat_fingerprint
 
     yarn = RopeParams("yarn", factor=32.0, original_max_position_embeddings=4096, truncate=False)
     arch = Architecture((LayerSpec("full_attention", 1, 8, 8),), rope=yarn)

@@ -15,13 +15,14 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
-import kvwire.synth
-import kvwire.writer
-from kvwire import limits as L
-from kvwire import registry as R
-from kvwire.container import FRAME_SIZE, PREAMBLE_SIZE, parse_preamble
-from kvwire.header import build_header, parse_header
-from kvwire.tensors import as_numpy
+import kvwire.tools.synth
+import kvwire.cache.files
+import kvwire.cache.encoder
+from kvwire.format import limits as L
+from kvwire.format import registry as R
+from kvwire.format.container import FRAME_SIZE, PREAMBLE_SIZE, parse_preamble
+from kvwire.format.header import build_header, parse_header
+from kvwire.cache.tensors import as_numpy
 
 torch = pytest.importorskip("torch")  # a declared test dependency (pyproject [test])
 
@@ -321,14 +322,14 @@ def test_save_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "c.kvw"
     kvwire.save(path, old)
     before = path.read_bytes()
-    real = kvwire.writer.write_all
+    real = kvwire.cache.files.write_all
 
     def failing_write_all(fd, buffers):
         it = iter(buffers)
         real(fd, [next(it) for _ in range(5)])  # part of the new container reaches the temp file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(kvwire.writer, "write_all", failing_write_all)
+    monkeypatch.setattr(kvwire.cache.files, "write_all", failing_write_all)
     with pytest.raises(OSError):
         kvwire.save(path, new)
     assert path.read_bytes() == before
@@ -441,7 +442,7 @@ def test_torch_non_contiguous_input():
 # ---------------------------------------------------------------------------------------
 
 def chunks_of(cache):
-    from kvwire.chunks import planned_chunks
+    from kvwire.format.chunks import planned_chunks
 
     h = cache.header
     for layer, comp, t0, n in planned_chunks(h):
@@ -630,7 +631,7 @@ def test_distinct_layer_specs_are_stored_once():
 def test_torch_views_never_write_into_read_only_input():
     """A torch chunk of a bytes container is a copy: torch has no read-only tensors."""
     torch = pytest.importorskip("torch")
-    data = kvwire.encode(kvwire.synth.synth_cache(1, 2, 8, 16, seed=3))
+    data = kvwire.encode(kvwire.tools.synth.synth_cache(1, 2, 8, 16, seed=3))
     before = bytes(data)
     with kvwire.open(data) as r:
         t = r.chunk(0, "k", 0, backend="torch")

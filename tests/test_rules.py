@@ -10,9 +10,9 @@ import zstandard
 
 import forge
 import kvwire
-from kvwire.container import MAGIC, RECORD_DTYPE, check32, xxh3
-from kvwire.header import Architecture, Header, LayerSpec, build_header
-from kvwire.synth import synth_cache
+from kvwire.format.container import MAGIC, RECORD_DTYPE, check32, xxh3
+from kvwire.format.header import Architecture, Header, LayerSpec, build_header
+from kvwire.tools.synth import synth_cache
 
 CACHE = synth_cache(2, 2, 8, 40, chunk_tokens=16, seed=5)
 

@@ -1,6 +1,6 @@
 """The schemas, the generated code and the hand-written codec agree.
 
-* ``python/kvwire/fbs`` is exactly what ``tools/gen_schemas.py`` makes from ``schemas/``.
+* ``python/kvwire/format/fbs`` is exactly what ``tools/gen_schemas.py`` makes from ``schemas/``.
 * A header written by ``build_header`` and read back through the *generated* accessors
   (which know the .fbs defaults) says the same as ``parse_header`` (which uses the
   dataclass defaults and its own verifying reader), field by field, including the fields
@@ -18,18 +18,18 @@ import pytest
 
 import forge
 import kvwire
-from kvwire import registry as R
-from kvwire.fbs import Architecture as fbArch
-from kvwire.fbs import Header as fbHeader
-from kvwire.fbs import LayerSpec as fbLayer
-from kvwire.fbs import RopeParams as fbRope
-from kvwire.header import (
+from kvwire.format import registry as R
+from kvwire.format.fbs import Architecture as fbArch
+from kvwire.format.fbs import Header as fbHeader
+from kvwire.format.fbs import LayerSpec as fbLayer
+from kvwire.format.fbs import RopeParams as fbRope
+from kvwire.format.header import (
     _LAYER_SCALARS, _ROPE_SCALARS, Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer,
     RopeParams, TokenRange, build_header, default_layer_tokens, parse_header,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FBS = ROOT / "python" / "kvwire" / "fbs"
+FBS = ROOT / "python" / "kvwire" / "format" / "fbs"
 
 
 # ---------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ FBS = ROOT / "python" / "kvwire" / "fbs"
 def test_generated_code_matches_the_schemas(tmp_path):
     flatc = shutil.which("flatc")
     if flatc is None:
-        pytest.skip("flatc not on PATH (apt-get install flatbuffers-compiler): cannot regenerate python/kvwire/fbs")
+        pytest.skip("flatc not on PATH (apt-get install flatbuffers-compiler): cannot regenerate python/kvwire/format/fbs")
     version = subprocess.run([flatc, "--version"], capture_output=True, text=True).stdout.strip()
     out = tmp_path / "fbs"
     subprocess.run([sys.executable, str(ROOT / "tools" / "gen_schemas.py"), str(out)], check=True, timeout=120)
@@ -47,12 +47,12 @@ def test_generated_code_matches_the_schemas(tmp_path):
     committed = {p.name: p.read_bytes() for p in FBS.glob("*.py")}
     assert sorted(generated) == sorted(committed), f"file sets differ ({version})"
     stale = [name for name in generated if generated[name] != committed[name]]
-    assert not stale, f"python/kvwire/fbs is stale for {stale}: run `make schemas` ({version})"
+    assert not stale, f"python/kvwire/format/fbs is stale for {stale}: run `make schemas` ({version})"
 
 
 def test_schema_enums_match_the_registries():
-    """Every enum of kvwire.fbs, value by value, against the registry tables."""
-    from kvwire.fbs import ChecksumAlgorithm, Codec, Component, DType, LayerKind, MapOp, RopeType
+    """Every enum of kvwire.format.fbs, value by value, against the registry tables."""
+    from kvwire.format.fbs import ChecksumAlgorithm, Codec, Component, DType, LayerKind, MapOp, RopeType
 
     pairs = [(DType.DType, {n: c for n, (c, _, _) in R.DTYPES.items()}), (Codec.Codec, R.CODECS),
              (Component.Component, R.COMPONENTS), (LayerKind.LayerKind, R.LAYER_KINDS),
@@ -64,8 +64,8 @@ def test_schema_enums_match_the_registries():
 
 
 def test_chunk_record_struct_matches_record_dtype():
-    from kvwire.container import RECORD_DTYPE
-    from kvwire.fbs import ChunkRecord
+    from kvwire.format.container import RECORD_DTYPE
+    from kvwire.format.fbs import ChunkRecord
 
     rec = np.zeros(1, RECORD_DTYPE)
     values = dict(offset=1 << 40, stored_length=2, raw_length=3, checksum=(1 << 64) - 1, token_start=5,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.synth import synth_cache
+from kvwire.tools.synth import synth_cache
 
 
 @pytest.mark.parametrize("form", ["file", "stream"])

@@ -12,15 +12,16 @@ from hypothesis import strategies as st
 import codec_reference as ref
 import forge
 import kvwire
-from kvwire import CodecSpec, chunks, codecs
-from kvwire import registry as R
-from kvwire.errors import CodecError, FeatureError, LayoutError, SchemaError
-from kvwire.header import Architecture, Header, LayerSpec, TokenRange
-from kvwire.sparse import SparseEncoder, SparseKVCache, decode_positions, encode_positions
-from kvwire.sparse_header import (
+from kvwire import CodecSpec, codecs
+from kvwire.format import chunks
+from kvwire.format import registry as R
+from kvwire.format.errors import CodecError, FeatureError, LayoutError, SchemaError
+from kvwire.format.header import Architecture, Header, LayerSpec, TokenRange
+from kvwire.cache.sparse import SparseKVCache, decode_positions, encode_positions
+from kvwire.format.sparse import (
     SPARSE_BIT, SparseInfo, SparseTable, check_sparse, check_sparse_records, planned_sparse_chunks,
 )
-from kvwire.tensors import as_numpy, as_uint
+from kvwire.cache.tensors import as_numpy, as_uint
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -232,7 +233,7 @@ def assert_every_read_path(data, want: SparseKVCache) -> None:
         for layer in range(h.num_layers):
             got = SparseKVCache(h, [r.sparse_layer(i) if i == layer else want.layers[i] for i in range(h.num_layers)])
             assert got.equal(want)
-        for layer, comp, t0, hd in planned_sparse_chunks(h):
+        for layer, comp, t0, _, hd in planned_sparse_chunks(h):
             if comp == "positions":
                 continue
             index = int(r._table.head_base[int(r._table.offsets[layer]) + hd]) + t0 // h.chunk_tokens
@@ -336,7 +337,7 @@ def test_sparse9_writer_refuses_codec_specs_chosen_for_positions():
         with pytest.raises(ValueError, match="KVW-SPARSE-9"):
             kvwire.encode(s, codec=bad)
     with pytest.raises(ValueError, match="KVW-SPARSE-9"):
-        SparseEncoder(s.header, codec=lambda layer, comp, t0, head: CodecSpec("int_affine") if head else "zstd")
+        kvwire.Encoder(s.header, codec=lambda layer, comp, t0, head: CodecSpec("int_affine") if head else "zstd")
     data = kvwire.encode(s, codec=lambda layer, comp, t0: "zstd" if comp == "positions" else "int8")
     with kvwire.open(data) as r:
         kinds = {(R.COMPONENT_BY_CODE[c], int(sp) > 0) for c, sp in zip(r.records["component"], r.records["reserved0"])}
@@ -589,16 +590,17 @@ def test_sparse11_positions_increase_across_cells(raw_container):
 
 
 def test_writer_refuses_what_a_reader_would_reject():
-    """KVW-SPARSE-7/11 (writer side): SparseEncoder checks cells and positions; the dense
-    Encoder refuses sparse headers and vice versa."""
+    """KVW-SPARSE-7/11 (writer side): the Encoder checks a sparse header's cells and
+    positions; a dense header's chunks cover every head (KVW-CHUNK-3), so ``head=`` is refused."""
     s = sparse_cache()
-    with pytest.raises(ValueError, match="SparseEncoder"):
-        kvwire.Encoder(s.header)
-    with pytest.raises(ValueError, match="dense one by Encoder"):
-        SparseEncoder(forge.small_cache().header)
+    dense = forge.small_cache()
+    enc = kvwire.Encoder(dense.header)
+    enc.begin()
+    with pytest.raises(ValueError, match="KVW-CHUNK-3"):
+        enc.chunk(0, "k", 0, dense.layers[0]["k"][:, :16], head=1)
     with pytest.raises(ValueError, match="unknown codec"):
         kvwire.encode(s, codec="fp9")
-    enc = SparseEncoder(s.header)
+    enc = kvwire.Encoder(s.header)
     enc.begin()
     head = s.layers[0][0]
     with pytest.raises(ValueError, match="one cell"):
@@ -739,7 +741,7 @@ def test_forged_sparse_headers_fail_cleanly(counts, token_count, nxt, first, met
 
 def test_cli_inspect_shows_the_sparse_table(tmp_path, capsys):
     """`kvwire inspect` reports method, next position and retained counts of a sparse container."""
-    from kvwire import cli
+    from kvwire.tools import cli
 
     kvwire.save(tmp_path / "s.kvw", SparseKVCache.streaming(forge.small_cache(layers=1, heads=2, tokens=9), 1, 2))
     assert cli.main(["inspect", str(tmp_path / "s.kvw")]) == 0
@@ -749,7 +751,7 @@ def test_cli_inspect_shows_the_sparse_table(tmp_path, capsys):
 def test_lim1_retained_counts_vector_over_limit():
     """KVW-LIM-1 (spec/sparse.md section 2): retained_counts of more than 2^24 entries is refused
     from its length field, before its bytes are read."""
-    from kvwire.sparse_header import MAX_RETAINED_ENTRIES
+    from kvwire.format.sparse import MAX_RETAINED_ENTRIES
 
     h = _hdr()
     hb = bytearray(forge.header_of(h))

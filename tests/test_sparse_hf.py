@@ -9,8 +9,8 @@ import pytest
 
 import forge
 import kvwire
-from kvwire.header import Architecture, Header, LayerSpec
-from kvwire.sparse import SparseKVCache
+from kvwire.format.header import Architecture, Header, LayerSpec
+from kvwire.cache.sparse import SparseKVCache
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 import kvwire
 from kvwire import stream
-from kvwire.chunks import ChunkTable, check_record_fields
-from kvwire.container import RECORD_DTYPE
-from kvwire.decoder import RECORD_STRUCT, Placed
-from kvwire.errors import FormatError
-from kvwire.synth import synth_cache
+from kvwire.format.chunks import ChunkTable, check_record_fields
+from kvwire.format.container import RECORD_DTYPE
+from kvwire.cache.decoder import RECORD_STRUCT, Placed
+from kvwire.format.errors import FormatError
+from kvwire.tools.synth import synth_cache
 
 CACHE = synth_cache(4, 2, 16, 300, chunk_tokens=128, seed=1)  # 3 chunks per component and layer
 ENC = {(f, c): kvwire.encode(CACHE, form=f, codec=c) for f in ("stream", "file") for c in ("raw", "zstd")}

@@ -21,7 +21,7 @@ SOURCES = sorted(PKG.rglob("*.py"))
 
 def test_package_sources_found():
     names = {p.relative_to(PKG).as_posix() for p in SOURCES}
-    assert {"__init__.py", "reader.py", "writer.py", "header.py", "fbs/Header.py"} <= names
+    assert {"__init__.py", "cache/reader.py", "cache/encoder.py", "format/header.py", "format/fbs/Header.py"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.relative_to(PKG).as_posix())
@@ -57,8 +57,8 @@ def test_vendored_copy_round_trips_in_a_fresh_interpreter(tmp_path):
         sys.path.insert(0, sys.argv[1])
         import numpy as np
         import acme_kvwire as kw
-        from acme_kvwire.synth import synth_cache
-        from acme_kvwire.fbs import Header as fbHeader
+        from acme_kvwire.tools.synth import synth_cache
+        from acme_kvwire.format.fbs import Header as fbHeader
 
         cache = synth_cache(2, 2, 16, 70, chunk_tokens=32, seed=5)
         for form in ("file", "stream"):
@@ -76,8 +76,8 @@ def test_vendored_copy_round_trips_in_a_fresh_interpreter(tmp_path):
             assert exc.code == "TEXT_MODE_MANGLED", exc.code
         else:
             raise AssertionError("no error")
-        assert type(kw.probe(data)).__module__ == "acme_kvwire.header"
-        assert fbHeader.__name__ == "acme_kvwire.fbs.Header"
+        assert type(kw.probe(data)).__module__ == "acme_kvwire.format.header"
+        assert fbHeader.__name__ == "acme_kvwire.format.fbs.Header"
         leaked = sorted(m for m in sys.modules if m == "kvwire" or m.startswith("kvwire."))
         assert not leaked, leaked
         print("OK", len(data))
@@ -110,9 +110,9 @@ def test_two_copies_in_one_process_are_independent_and_interoperate(tmp_path):
     try:
         assert a is not b and a.Header is not b.Header and a.Header is not kvwire.Header
         assert a.FormatError is not b.FormatError
-        synth_a = importlib.import_module("kvw_copy_a.synth")
+        synth_a = importlib.import_module("kvw_copy_a.tools.synth")
         cache_a = synth_a.synth_cache(2, 2, 8, 40, chunk_tokens=16, seed=7)
-        cache_k = importlib.import_module("kvwire.synth").synth_cache(2, 2, 8, 40, chunk_tokens=16, seed=7)
+        cache_k = importlib.import_module("kvwire.tools.synth").synth_cache(2, 2, 8, 40, chunk_tokens=16, seed=7)
         for codec in ("raw", "zstd"):
             data_a = a.encode(cache_a, codec=codec)
             assert data_a == kvwire.encode(cache_k, codec=codec)  # identical bytes from either copy

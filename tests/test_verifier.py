@@ -19,9 +19,9 @@ import zstandard
 import forge
 import kvwire
 from forge import expect, raises_code, set_records
-from kvwire import limits as L
-from kvwire.container import FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_frame, parse_preamble
-from kvwire.errors import (
+from kvwire.format import limits as L
+from kvwire.format.container import FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_frame, parse_preamble
+from kvwire.format.errors import (
     ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
     SchemaError, TruncatedError, VersionError,
 )
@@ -288,11 +288,11 @@ def test_hdr6_missing_required_metadata_key():
 def test_hdr8_too_many_tables(monkeypatch):
     """The table budget. With the v1 limits it cannot be reached from the wire (see the
     next test), so the mechanism is exercised with a lowered budget."""
-    import kvwire.flatbuf
+    import kvwire.format.flatbuf
 
     data = hdr(metadata=[(f"ns.k{i}", b"") for i in range(8)])
     kvwire.probe(data)
-    monkeypatch.setattr(kvwire.flatbuf, "MAX_FB_TABLES", 6)
+    monkeypatch.setattr(kvwire.format.flatbuf, "MAX_FB_TABLES", 6)
     expect(data, LimitError, "FB_TOO_COMPLEX", "KVW-HDR-8")
 
 
@@ -428,7 +428,7 @@ def test_arch_valid_kinds_parse():
               dict(kind=3, num_kv_heads=1, head_dim_k=12, kv_lora_rank=8, qk_rope_head_dim=4),
               dict(kind=4, source_layer=3)]
     h = kvwire.probe(hdr(layers=layers, token_count=4))
-    R = kvwire.header.R
+    R = kvwire.format.header.R
     assert [s.kind for s in h.arch.layers] == [k for k in R.LAYER_KINDS if k not in R.FEATURE_GATED["layer_kind"]]
     assert h.layer_tokens[4] == kvwire.TokenRange(0, 0)
 
@@ -812,14 +812,14 @@ def test_lim1_index_with_too_many_records():
 def test_lim1_stream_with_too_many_frames(monkeypatch):
     """The frame walk stops at MAX_CHUNKS frames. Reaching 2^20 + 1 frames takes 64 MiB, so
     the limit is lowered to the 12 chunks the header implies and a 13th frame is sent."""
-    import kvwire.reader
+    import kvwire.cache.reader
 
     p = forge.split(ENC["stream", "raw"])
     p.records = np.concatenate([p.records, p.records[:1]])
     p.bodies.append(p.bodies[0])
     data = forge.assemble(p)
     expect(data, LayoutError, "CHUNK_DUPLICATE", "KVW-CHUNK-8")  # with the real limit
-    monkeypatch.setattr(kvwire.reader, "MAX_CHUNKS", 12)
+    monkeypatch.setattr(kvwire.cache.reader, "MAX_CHUNKS", 12)
     expect(data, LimitError, "LIMIT_EXCEEDED", "KVW-LIM-1", stage="open")
 
 

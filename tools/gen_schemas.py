@@ -1,10 +1,10 @@
-"""Regenerate python/kvwire/fbs from schemas/*.fbs with flatc (Debian flatbuffers-compiler 2.0.8).
+"""Regenerate python/kvwire/format/fbs from schemas/*.fbs with flatc (Debian flatbuffers-compiler 2.0.8).
 
-flatc writes absolute imports (``from kvwire.fbs.X import X``); kvwire is vendored under
+flatc writes absolute imports (``from kvwire.format.fbs.X import X``); kvwire is vendored under
 other package names, so they are rewritten to relative imports. Output is deterministic:
 ``tests/test_schemas.py`` regenerates into a temporary folder and compares byte for byte.
 
-Usage: python tools/gen_schemas.py [OUT_DIR]   (default: python/kvwire/fbs)
+Usage: python tools/gen_schemas.py [OUT_DIR]   (default: python/kvwire/format/fbs)
 """
 
 import pathlib
@@ -34,4 +34,4 @@ def generate(out_dir: pathlib.Path, flatc: str = "flatc") -> None:
 
 
 if __name__ == "__main__":
-    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "python" / "kvwire" / "fbs")
+    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "python" / "kvwire" / "format" / "fbs")

@@ -152,7 +152,7 @@ def run_hypothesis(seconds: float, findings: Path, *, log=print) -> dict:
 def promote(finding: Path, name: str, *, version_dir: Path) -> dict:
     import kvwire
     from kvwire.conformance import neutral as N
-    from kvwire.errors import FormatError
+    from kvwire.format.errors import FormatError
 
     import harness
 

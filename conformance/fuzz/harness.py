@@ -51,7 +51,7 @@ def _touch_all(obj) -> None:
 def check(data: bytes) -> str:
     """Run both readers on ``data``; return "ok" or the error code. Raises on a finding."""
     import kvwire
-    from kvwire.errors import FormatError
+    from kvwire.format.errors import FormatError
 
     ra_chunks = {}
     try:
@@ -104,7 +104,7 @@ def reseal(data: bytes) -> bytes:
 
 
 def _reseal(b: bytearray) -> None:
-    from kvwire.container import (
+    from kvwire.format.container import (
         END_MARKER, CHUNK_MARKER, MAGIC, TRAILER_MAGIC, check32, next_frame_offset, xxh3,
     )
 
@@ -119,7 +119,7 @@ def _reseal(b: bytearray) -> None:
         return
     alignment = 64
     try:
-        from kvwire.header import parse_header
+        from kvwire.format.header import parse_header
 
         alignment = parse_header(bytes(b[32 : 32 + hlen])).alignment
     except Exception:  # noqa: BLE001
@@ -154,7 +154,7 @@ def _reseal(b: bytearray) -> None:
 
 
 def _index_records(b: bytearray) -> bytes | None:
-    from kvwire.container import parse_index
+    from kvwire.format.container import parse_index
 
     index_offset, index_length = struct.unpack_from("<QI", b, len(b) - 32)
     if index_offset + index_length > len(b) - 32:

@@ -32,8 +32,8 @@ INTERESTING = [0, 1, 2, 3, 7, 8, 63, 64, 255, 256, 4095, 4096, 65535, 65536, 2**
 
 def frame_positions(data: bytes) -> list:
     """Positions of the chunk frames found by walking the layout rule (best effort)."""
-    from kvwire.container import CHUNK_MARKER, MAGIC, next_frame_offset
-    from kvwire.header import parse_header
+    from kvwire.format.container import CHUNK_MARKER, MAGIC, next_frame_offset
+    from kvwire.format.header import parse_header
 
     if len(data) < 32 or data[:8] != MAGIC:
         return []

@@ -16,27 +16,29 @@ The package uses relative imports only and keeps no global state, so it can be
 vendored under another name.
 """
 
-from .cache import KVCache
-from .decoder import ChunkEvent, EndEvent, HeaderEvent, StreamDecoder
-from .errors import (
+from .cache.kvcache import KVCache
+from .cache.decoder import ChunkEvent, EndEvent, HeaderEvent, StreamDecoder
+from .format.errors import (
     ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
     SchemaError, TruncatedError, VersionError,
 )
 from . import layouts
-from .header import (
+from .format.header import (
     Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
-from .codec_spec import CodecSpec
-from .reader import Reader, load, open, probe
-from .crossmodel_header import PrefixChain, StateTensor
-from .identity import LocalModel, Verdict, check_compatible
-from .prefix import PrefixIndex, covered_tokens, prefix_hashes
-from .sparse import SparseInfo, SparseKVCache
+from .format.codec_specs import CodecSpec
+from .cache.reader import Reader, load, open, probe
+from .format.crossmodel import PrefixChain, StateTensor
+from .model.compat import LocalModel, Verdict, check_compatible
+from .format.prefix import prefix_hashes
+from .model.prefix import PrefixIndex, covered_tokens
+from .cache.sparse import SparseInfo, SparseKVCache
 from .version import __version__
-from .writer import Encoder, encode, iter_buffers, save
+from .cache.encoder import Encoder, encode, iter_buffers
+from .cache.files import save
 from . import stream
-from . import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
-from .plan import Plan, plan  # after the submodule import, kvwire.plan is the function
+from .model import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
+from .codecs.policy import Plan, plan  # after the submodule import, kvwire.plan is the function
 
 __all__ = [
     "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",

@@ -26,9 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cache import KVCache
-from ..header import Architecture, Header, LayerSpec, ModelIdentity, RopeParams, TokenRange
-from ..tensors import as_numpy, dtype_name, is_torch, torch_dtype
+from ..cache.kvcache import KVCache
+from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, RopeParams, TokenRange
+from ..cache.tensors import as_numpy, dtype_name, is_torch, torch_dtype
 
 FRAMEWORK = "transformers"
 
@@ -246,7 +246,7 @@ def _config_dict(cfg) -> dict:
 def _tokenizer_fingerprint(tokenizer) -> bytes:
     import json
 
-    from ..identity import tokenizer_fingerprint
+    from ..model.identity import tokenizer_fingerprint
 
     special = {k: (v if isinstance(v, (str, list)) else str(v))
                for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()}
@@ -271,8 +271,8 @@ def identity(model, tokenizer=None) -> ModelIdentity:
     model and pass it to ``from_hf(..., identity=...)``. Without a tokenizer the tokenizer
     fingerprint is empty, and the compat fingerprint covers the model alone.
     """
-    from ..identity import config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity
-    from ..identity import weights_fingerprint
+    from ..model.identity import config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity
+    from ..model.identity import weights_fingerprint
 
     cfg = _text_config(model)
     arch = arch_from_config(cfg)
@@ -290,7 +290,7 @@ def identity(model, tokenizer=None) -> ModelIdentity:
 
 def local_model(model, tokenizer=None, **kw):
     """The receiver description ``check_compatible`` needs, for a loaded transformers model."""
-    from ..identity import LocalModel
+    from ..model.compat import LocalModel
 
     return LocalModel(arch=arch_from_config(model), dtype=_dtype_of(model), identity=identity(model, tokenizer), **kw)
 

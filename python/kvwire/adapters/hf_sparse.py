@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cache import KVCache
-from ..header import Header
-from ..sparse import SparseKVCache
-from ..sparse_header import layer_heads
-from ..tensors import as_numpy
+from ..cache.kvcache import KVCache
+from ..format.header import Header
+from ..cache.sparse import SparseKVCache
+from ..format.sparse import layer_heads
+from ..cache.tensors import as_numpy
 from . import hf
 
 

@@ -6,7 +6,7 @@ prompt, encodes the transformers cache with ``adapters.hf.from_hf`` and continue
 generation from the original cache. ONE *receiver* subprocess, started first so that its
 torch/transformers import overlaps the producer's work, builds its own models from the
 same seeds and then takes every file:
-it checks compatibility from the header (``identity.check_compatible``), loads the cache,
+it checks compatibility from the header (``kvwire.check_compatible``), loads the cache,
 converts it back (``adapters.hf.to_hf``) and continues generation. The checks:
 
 * ``roundtrip`` -- tokens AND logits of the receiver's continuation are bit-identical to
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model.compat import check_compatible
 from .runner import ERROR, FAIL, PASS, SKIP, CaseResult, RunResult
 
 LEVEL = "crossmodel"
@@ -71,12 +72,12 @@ def _hf():
         import torch  # noqa: F401
         import transformers  # noqa: F401
 
-        from ..adapters import hf, zoo
-        from .. import identity
+        from ..adapters import hf
+        from ..adapters import zoo
     except ImportError as exc:
         raise MissingDependency(f"the cross-model suite needs torch and transformers ({exc}); {INSTALL_HINT}") \
             from None
-    return hf, zoo, identity
+    return hf, zoo
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def verdict_json(v) -> dict:
 def _receiver_model(models: dict, model_type: str, seed: int):
     """(model, LocalModel) built by the receiver itself from the seed, once per process."""
     if (model_type, seed) not in models:
-        hf, zoo, _ = _hf()
+        hf, zoo = _hf()
         model = zoo.build(model_type, seed)
         models[model_type, seed] = (model, hf.local_model(model, zoo.tokenizer(model.config.vocab_size)))
     return models[model_type, seed]
@@ -154,9 +155,9 @@ def _receiver_model(models: dict, model_type: str, seed: int):
 
 def _receive(job: dict, models: dict, root: Path) -> dict:
     """One job: verdict from the header; for ``continue`` jobs load, convert, generate."""
-    from ..reader import open as kv_open
+    from ..cache.reader import open as kv_open
 
-    hf, _, identity = _hf()
+    hf, _ = _hf()
     model, local = _receiver_model(models, job["model_type"], job["seed"])
     if job.get("local"):  # what this receiver accepts beyond its own model (soft tier)
         opts = dict(job["local"])
@@ -165,7 +166,7 @@ def _receive(job: dict, models: dict, root: Path) -> dict:
         local = dataclasses.replace(local, **opts)
     out: dict = {}
     with kv_open(root / job["file"]) as r:
-        out["verdict"] = verdict_json(identity.check_compatible(r.header, local))
+        out["verdict"] = verdict_json(check_compatible(r.header, local))
         if not job.get("steps"):
             return out
         if not out["verdict"]["ok"]:
@@ -294,7 +295,7 @@ def _describe_layers(layers) -> str:
 def identity_map(header) -> tuple:
     """A layer map that changes nothing: every layer a copy of itself (a shared layer: an alias of
     its source, KVW-MAP-4/5). A map must not lift the weights check (KVW-XM-6)."""
-    from ..header import LayerMapEntry
+    from ..format.header import LayerMapEntry
 
     return tuple(LayerMapEntry(r, s.source_layer, "alias") if s.kind == "shared" else LayerMapEntry(r, r, "copy")
                  for r, s in enumerate(header.arch.layers))
@@ -302,10 +303,11 @@ def identity_map(header) -> tuple:
 
 def produce(model_type: str, root: Path, *, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
     """Prefill, write the container and its soft variants, continue from the original cache."""
-    from ..fidelity import astype
-    from ..writer import atomic_write, iter_buffers, save
+    from ..tools.fidelity import astype
+    from ..cache.encoder import iter_buffers
+    from ..cache.files import atomic_write, save
 
-    hf, zoo, _ = _hf()
+    hf, zoo = _hf()
     model = zoo.build(model_type, 0)
     ids = prompt_ids(model.config.vocab_size, prompt_tokens)
     row, cache = forward(model, ids)
@@ -511,7 +513,7 @@ def run_suite(model_types=None, *, workdir=None, prompt_tokens: int = PROMPT_TOK
 
     Raises MissingDependency when torch/transformers are missing.
     """
-    hf, zoo, _ = _hf()
+    hf, zoo = _hf()
     every = list(zoo.TINY_CONFIGS)
     model_types = list(model_types or every)
     unknown = [m for m in model_types if m not in every]
@@ -639,7 +641,7 @@ def summary_text(result: SuiteResult) -> str:
 
 
 def markdown(result: SuiteResult) -> str:
-    from .report import _md
+    from .report import md_cell
 
     out = ["# kvwire cross-model conformance report", "",
            f"Model types: {len(result.model_types)}. Checks: {len(result.cases)}. Time: {result.seconds:.1f} s "
@@ -648,9 +650,9 @@ def markdown(result: SuiteResult) -> str:
            "| model type | cache | " + " | ".join(CHECKS) + " |", "|---|---|" + "---|" * len(CHECKS)]
     for mt in result.model_types:
         cells = [(_MARK[c.status] if c else "-") for c in (result.cell(mt, ch) for ch in CHECKS)]
-        out.append(f"| {mt} | {_md(result.descriptions.get(mt, ''))} | " + " | ".join(cells) + " |")
+        out.append(f"| {mt} | {md_cell(result.descriptions.get(mt, ''))} | " + " | ".join(cells) + " |")
     out += ["", "## Details", "", "| model type | check | status | message |", "|---|---|---|---|"]
-    out += [f"| {c.impl} | {c.case} | {_MARK[c.status]} | {_md(c.message)} |" for c in result.cases]
+    out += [f"| {c.impl} | {c.case} | {_MARK[c.status]} | {md_cell(c.message)} |" for c in result.cases]
     return "\n".join(out) + "\n"
 
 

@@ -16,13 +16,13 @@ import sys
 
 import numpy as np
 
-from .. import registry as R
-from ..cache import KVCache
-from ..errors import FormatError
-from ..header import Producer
-from ..reader import open as kv_open
+from ..format import registry as R
+from ..cache.kvcache import KVCache
+from ..format.errors import FormatError
+from ..format.header import Producer
+from ..cache.reader import open as kv_open
 from ..version import __version__
-from ..writer import encode as kv_encode
+from ..cache.encoder import encode as kv_encode
 from . import neutral as N
 
 PROTOCOL_VERSION = 1
@@ -114,7 +114,7 @@ def read_encode_spec(spec_path: str) -> tuple[KVCache, str, str]:
     np_dtype = R.DTYPES[header.dtype][2]
     given = {(t["layer"], t["component"]): t for t in spec["tensors"]}
     if header.sparse is not None:  # canonical per-(layer, component) tensors, split by head (spec/sparse.md)
-        from ..sparse import SparseKVCache
+        from ..cache.sparse import SparseKVCache
 
         arrays = {k: np.fromfile(os.path.join(base, t["file"]), dtype=np.int64 if k[1] == "positions" else np_dtype)
                   .reshape(t["shape"]) for k, t in given.items()}

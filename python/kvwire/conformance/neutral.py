@@ -17,8 +17,8 @@ import hashlib
 import math
 from dataclasses import fields
 
-from .. import registry as R
-from ..header import (
+from ..format import registry as R
+from ..format.header import (
     Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
 
@@ -136,7 +136,7 @@ def header_to_json(h: Header) -> dict:
         "metadata": {k: bytes(v).hex() for k, v in sorted(h.metadata.items())},
     }
     if getattr(h, "codec_specs", ()):  # spec/codecs.md: reported when present
-        from ..codec_spec import spec_to_json
+        from ..format.codec_specs import spec_to_json
 
         out["codec_specs"] = [spec_to_json(s) for s in h.codec_specs]
     if getattr(h, "sparse", None) is not None:  # spec/sparse.md: reported when present
@@ -175,7 +175,7 @@ def rope_from_json(d) -> RopeParams | None:
 def layer_from_json(d: dict) -> LayerSpec:
     kw = {f.name: d[f.name] for f in fields(LayerSpec) if f.name in d and f.name not in ("rope", "state_tensors")}
     if d.get("state_tensors"):  # spec/crossmodel.md
-        from ..crossmodel_header import StateTensor
+        from ..format.crossmodel import StateTensor
 
         kw["state_tensors"] = tuple(StateTensor(t["name"], tuple(t["shape"]), t.get("dtype", "f32"))
                                     for t in d["state_tensors"])
@@ -203,21 +203,21 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
     ranges = d.get("layer_tokens")
     extra = {}
     if d.get("codec_specs"):  # spec/codecs.md
-        from ..codec_spec import spec_from_json
+        from ..format.codec_specs import spec_from_json
 
         extra["codec_specs"] = tuple(spec_from_json(s) for s in d["codec_specs"])
     if d.get("sparse") is not None:  # spec/sparse.md
-        from ..sparse_header import SparseInfo
+        from ..format.sparse import SparseInfo
 
         extra["sparse"] = SparseInfo(**{**d["sparse"], "retained_counts": tuple(d["sparse"]["retained_counts"])})
     if d.get("prefix") is not None:  # spec/crossmodel.md
-        from ..crossmodel_header import PrefixChain
+        from ..format.crossmodel import PrefixChain
 
         p = d["prefix"]
         extra["prefix"] = PrefixChain(p.get("scheme", 1), bytes.fromhex(p.get("root", "")),
                                       bytes.fromhex(p.get("hashes", "")))
     if d.get("engine_layout") is not None:  # only with a codec that knows the table
-        from .. import header as H
+        from ..format import header as H
 
         extra["engine_layout"] = H.EngineLayout(**{k: tuple(v) if isinstance(v, list) else v
                                                    for k, v in d["engine_layout"].items()})
@@ -351,7 +351,7 @@ def sha256(data) -> str:
 
 def canonical_bytes(array) -> bytes:
     """Canonical bytes of a host array [heads, tokens, head_dim] (C order, little-endian host)."""
-    from ..tensors import as_numpy
+    from ..cache.tensors import as_numpy
 
     import numpy as np
 

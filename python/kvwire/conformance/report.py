@@ -81,7 +81,8 @@ def junit_xml(run: RunResult) -> bytes:
     return ET.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
-def _md(s: str) -> str:
+def md_cell(s: str) -> str:
+    """``s`` as one cell of a markdown table row (pipes escaped, on one line)."""
     return s.replace("|", "\\|").replace("\n", " ")
 
 
@@ -100,29 +101,29 @@ def markdown(run: RunResult, *, max_listed: int = 200) -> str:
                 continue
             c = summ.get(impl, {}).get(level, {s: 0 for s in _TAG})
             total = sum(c.values()) - c[SKIP]
-            out.append(f"| {_md(impl)} | {level} | {run.level_verdict(impl, level)} | {c[PASS] + c[WARN]}/{total} | "
+            out.append(f"| {md_cell(impl)} | {level} | {run.level_verdict(impl, level)} | {c[PASS] + c[WARN]}/{total} | "
                        f"{c[WARN]} | {c[FAIL]} | {c[ERROR]} | {c[SKIP]} |")
     out += ["", "Implementations:", ""]
-    out += [f"- `{_md(impl)}`: `{_md(run.descriptions.get(impl, ''))}`" for impl in run.impls]
+    out += [f"- `{md_cell(impl)}`: `{md_cell(run.descriptions.get(impl, ''))}`" for impl in run.impls]
     if run.matrix:
         names = _participants(run)
         out += ["", "## Producer x consumer matrix", "",
                 "Rows write (encode), columns read (decode); cells are passed/total writer cases. "
                 "The column `reference` of an implementation's row is its writer level.", "",
-                "| producer \\ consumer | " + " | ".join(_md(n) for n in names) + " |",
+                "| producer \\ consumer | " + " | ".join(md_cell(n) for n in names) + " |",
                 "|---|" + "---|" * len(names)]
         for p in names:
             cells = []
             for c in names:
                 m = run.matrix.get((p, c))
                 cells.append(f"{m[0]}/{m[1]}" if m else "-")
-            out.append(f"| {_md(p)} | " + " | ".join(cells) + " |")
+            out.append(f"| {md_cell(p)} | " + " | ".join(cells) + " |")
     bad = [c for c in run.cases if c.status in (FAIL, ERROR, WARN)]
     if bad:
         out += ["", "## Failures, errors and warnings", "", "| Status | Implementation | Level | Check | Message |",
                 "|---|---|---|---|---|"]
         for c in bad[:max_listed]:
-            out.append(f"| {_TAG[c.status]} | {_md(c.impl)} | {c.level} | `{_md(c.case)}` | {_md(c.message)} |")
+            out.append(f"| {_TAG[c.status]} | {md_cell(c.impl)} | {c.level} | `{md_cell(c.case)}` | {md_cell(c.message)} |")
         if len(bad) > max_listed:
             out.append(f"| ... | | | | {len(bad) - max_listed} more |")
     skipped = [c for c in run.cases if c.status == SKIP]

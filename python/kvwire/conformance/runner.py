@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import FormatError
-from ..reader import open as kv_open
+from ..format.errors import FormatError
+from ..cache.reader import open as kv_open
 from . import neutral as N
 
 LEVELS = ("reader", "writer", "roundtrip")
@@ -431,7 +431,7 @@ class ReferenceImpl:
 
     def encode(self, spec: Path, out: Path, work: Path) -> Call:
         from .impl import read_encode_spec
-        from ..writer import encode
+        from ..cache.encoder import encode
 
         t0 = time.perf_counter()
         cache, form, codec = read_encode_spec(str(spec))
@@ -800,5 +800,5 @@ class Runner:
 
 def default_impl_argv() -> list:
     """The reference implementation of the protocol, run as a subprocess."""
-    pkg = __package__.rsplit(".", 1)[0]
-    return [sys.executable, "-m", f"{pkg}.cli", "conformance", "impl"]
+    pkg = __package__.rsplit(".", 1)[0]  # kvwire, or the name it is vendored under
+    return [sys.executable, "-m", pkg, "conformance", "impl"]

@@ -29,9 +29,9 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cuda import StagingRing, host_chunk, int_view, stream_for
-from ..header import EngineLayout, Header
-from ..tensors import dtype_name
+from ..cache.cuda import StagingRing, host_chunk, int_view, stream_for
+from ..format.header import EngineLayout, Header
+from ..cache.tensors import dtype_name
 from .descriptor import LayoutDescriptor, get_layout
 
 
@@ -75,7 +75,7 @@ def _run_start(ids: np.ndarray) -> int | None:
     return None
 
 
-def _runs(ids: np.ndarray):
+def id_runs(ids: np.ndarray):
     """(index in ids, first id, length) of each maximal run of consecutive increasing ids."""
     if len(ids) == 0:
         return []
@@ -327,7 +327,7 @@ class EngineBuffers:
             if self._kernels():
                 torch.index_select(src4, 1, torch.as_tensor(blocks, device=v.device), out=o4)
             else:  # strided copies per run of blocks: far faster than CPU index kernels
-                for j, b, k in _runs(blocks):
+                for j, b, k in id_runs(blocks):
                     o4[:, j : j + k].copy_(src4[:, b : b + k])
             return out[:, off : off + n].view(self.torch_dtype)
         slots = ids[t0:t1]
@@ -339,7 +339,7 @@ class EngineBuffers:
         if self._kernels():
             torch.index_select(src3, 1, torch.as_tensor(slots, device=v.device), out=out)
         else:
-            for j, s0, k in _runs(slots):
+            for j, s0, k in id_runs(slots):
                 out[:, j : j + k].copy_(src3[:, s0 : s0 + k])
         return out.view(self.torch_dtype)
 
@@ -403,7 +403,7 @@ class EngineBuffers:
                 dst.index_put_((idx[0][t0 : t0 + n], idx[1][t0 : t0 + n]), vals)
                 return
             mergeable = dst.stride(0) == dst.shape[1] * dst.stride(1)
-            for j, b, k in _runs(a[b0:b1]):
+            for j, b, k in id_runs(a[b0:b1]):
                 lo, hi = max(t0, (b0 + j) * N), min(t0 + n, (b0 + j + k) * N)  # tokens of this run
                 off = lo - (b0 + j) * N
                 if k == 1 or mergeable:
@@ -417,7 +417,7 @@ class EngineBuffers:
         if self._kernels() and _run_start(slots) is None:
             dst.index_put_((idx[0][t0 : t0 + n],), vals)
             return
-        for j, s0, k in _runs(slots):
+        for j, s0, k in id_runs(slots):
             dst[s0 : s0 + k].copy_(vals[j : j + k])
 
     def scatter(self, reader, ids, *, verify: bool = True, stream=None, ring: StagingRing | None = None,

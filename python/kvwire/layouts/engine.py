@@ -10,11 +10,12 @@ of the engine memory. The header records the layout the cache came from
 from __future__ import annotations
 
 
-from ..cache import KVCache
-from ..chunks import planned_chunks
+from ..cache.kvcache import KVCache
+from ..format.chunks import planned_chunks
 from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..header import Architecture, Header, LayerSpec
-from ..writer import Encoder, atomic_write
+from ..format.header import Architecture, Header, LayerSpec
+from ..cache.encoder import Encoder
+from ..cache.files import atomic_write
 from .adapter import EngineBuffers, LayoutMismatchError
 
 

@@ -35,12 +35,12 @@ import time
 
 import numpy as np
 
-from ..chunks import planned_chunks
+from ..format.chunks import planned_chunks
 from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..cuda import int_view, stream_for
-from ..writer import Encoder
-from .adapter import EngineBuffers, LayoutMismatchError, _runs
-from ..writer import atomic_write
+from ..cache.cuda import int_view, stream_for
+from ..cache.encoder import Encoder
+from .adapter import EngineBuffers, LayoutMismatchError, id_runs
+from ..cache.files import atomic_write
 from .engine import architecture_of
 
 
@@ -157,7 +157,7 @@ class OffloadRing:
                     elif on_device:  # one gather kernel, then a device-local copy into the page tmp
                         out.copy_(torch.index_select(src, 0, idx))
                     else:  # strided copies per run of pages: far faster than CPU index kernels
-                        for j, p0, k in _runs(pages):
+                        for j, p0, k in id_runs(pages):
                             out[j : j + k].copy_(src[p0 : p0 + k])
             if on_device:
                 dst_all.copy_(tmp, non_blocking=True)  # one DMA of whole pages

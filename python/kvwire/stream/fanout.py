@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from ..cache import KVCache
-from ..writer import iter_buffers
-from .transport import TransferStats, _sender
+from ..cache.kvcache import KVCache
+from ..cache.encoder import iter_buffers
+from .transport import TransferStats, sender_for
 
 
 class SharedBuffers:
@@ -165,7 +165,7 @@ def fanout(shared: SharedBuffers, sinks, *, link_gbps: float | None = None) -> l
                 sink.take(shared)
                 st.add(shared.nbytes)
             else:
-                st.add(_sender(sink)(shared.buffers))
+                st.add(sender_for(sink)(shared.buffers))
         except BaseException as exc:
             failures.append(exc)
         finally:

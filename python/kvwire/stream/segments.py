@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import registry as R
-from ..cache import KVCache
+from ..format import registry as R
+from ..cache.kvcache import KVCache
 from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..errors import LayoutError
-from ..header import Header, default_layer_tokens
-from ..tensors import as_numpy
-from ..writer import Encoder
-from .transport import Reader, TransferStats, _sender
+from ..format.errors import LayoutError
+from ..format.header import Header, default_layer_tokens
+from ..cache.tensors import as_numpy
+from ..cache.encoder import Encoder
+from .transport import Reader, TransferStats, sender_for
 
 
 def _segment_base(h: Header) -> Header:
@@ -39,7 +39,7 @@ class DecodeWriter:
         self.position = header.first_position + header.token_count if first_position is None else first_position
         self.codec, self.level = codec, level
         self.segments = 0
-        self._send = _sender(sink)
+        self._send = sender_for(sink)
         self.stats = TransferStats("send", link_gbps)
         self._start = self.position  # first position of the staged segment
         self._flushed = self.position  # position up to which the staged tokens were sent

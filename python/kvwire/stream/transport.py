@@ -14,15 +14,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import registry as R
-from ..cache import KVCache
-from ..chunks import ChunkTable, grid
+from ..format import registry as R
+from ..cache.kvcache import KVCache
+from ..format.chunks import ChunkTable, grid
 from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..decoder import IOV_MAX, ChunkEvent, HeaderEvent, Placed, StreamDecoder
-from ..header import Header
-from ..limits import DEFAULT_MAX_DECODED_BYTES
-from ..tensors import as_numpy, as_uint, torch_dtype
-from ..writer import Encoder
+from ..cache.decoder import IOV_MAX, ChunkEvent, HeaderEvent, Placed, StreamDecoder
+from ..format.header import Header
+from ..format.limits import DEFAULT_MAX_DECODED_BYTES
+from ..cache.tensors import as_numpy, as_uint, torch_dtype
+from ..cache.encoder import Encoder
 
 __all__ = ["Layer", "Placed", "Reader", "TransferStats", "Writer"]
 
@@ -127,7 +127,7 @@ def _send_all(call, buffers) -> int:
     return total
 
 
-def _sender(sink):
+def sender_for(sink):
     """``send(buffers) -> bytes`` for a sink, without copying the buffers."""
     if isinstance(sink, socket.socket):
         return lambda bufs: _send_all(sink.sendmsg, bufs)
@@ -197,7 +197,7 @@ class Writer:
                  batch_bytes: int = 2 << 20):
         self.header = header
         self._enc = Encoder(header, codec=codec, level=level)
-        self._send = _sender(sink)
+        self._send = sender_for(sink)
         self.stats = TransferStats("send", link_gbps)
         self._written: set[int] = set()
         self._failure: list[BaseException] = []

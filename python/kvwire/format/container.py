@@ -20,6 +20,7 @@ import xxhash
 
 from . import limits as L
 from .errors import ChecksumError, LayoutError, LimitError, MagicError, TruncatedError, VersionError
+from .header import parse_header
 from .registry import FORMAT_MAJOR, FORMAT_MINOR
 
 MAGIC = b"\x89KVW\r\n\x1a\n"
@@ -46,6 +47,9 @@ RECORD_DTYPE = np.dtype([
     ("reserved0", "<u2"), ("reserved1", "<u4"),
 ])
 assert RECORD_DTYPE.itemsize == RECORD_SIZE
+# The same fields as a struct, for one record at a time (a frame being built or parsed).
+RECORD_STRUCT = struct.Struct("<QQQQIIHBBHHHHI")
+assert RECORD_STRUCT.size == RECORD_SIZE
 
 
 def xxh3(data) -> int:
@@ -116,6 +120,22 @@ def header_bytes(buf, hlen: int, hsum: int):
     if xxh3(data) != hsum:
         raise ChecksumError("HEADER_CHECKSUM", "header bytes do not match the preamble's checksum", rule="KVW-PRE-6")
     return data
+
+
+def check_version(header, minor: int) -> None:
+    """The header's format version is the preamble's (KVW-HDR-9)."""
+    if (header.format_major, header.format_minor) != (FORMAT_MAJOR, minor):
+        raise VersionError("VERSION_MISMATCH", f"header says {header.format_major}.{header.format_minor}, "
+                           f"preamble {FORMAT_MAJOR}.{minor}", rule="KVW-HDR-9")
+
+
+def read_header(buf):
+    """(Header, header length) from the first bytes of a container: preamble, header bytes
+    and version checked; ``TruncatedError.needed`` says how many bytes are missing."""
+    minor, hlen, hsum = parse_preamble(buf)
+    header = parse_header(header_bytes(buf, hlen, hsum))
+    check_version(header, minor)
+    return header, hlen
 
 
 # ---------------------------------------------------------------------------------------

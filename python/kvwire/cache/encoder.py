@@ -1,51 +1,43 @@
-"""Encoding: a sans-IO ``Encoder`` that emits buffers, and thin adapters over it.
+"""Encoding: a sans-IO ``Encoder`` that emits buffers, and ``iter_buffers``/``encode`` over it.
 
 The encoder never concatenates tensor bytes: raw bodies are emitted as memoryviews of
 the caller's arrays (one per head, since a token slice of a [heads, tokens, dim] layer
 is contiguous per head), so ``writev``/``sendmsg`` can send a cache without a copy.
-``encode`` joins the buffers into ``bytes``; ``save`` writes them to a temporary file
-and renames it into place, so a reader never sees a partial file (KVW-FILE-6).
+Dense, state and sparse chunks go through the one ``Encoder``: the header's chunk plan
+(``format.chunks.chunk_plan``) says which chunks exist, and a cache says what each
+holds (``chunk_arrays``). ``encode`` joins the buffers into ``bytes``; writing files
+is ``kvwire.cache.files``.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import secrets
-import threading
-
 import numpy as np
 import xxhash
 
-from . import registry as R
-from .cache import KVCache
-from .chunks import ChunkTable, on_grid, planned_chunks
-from .codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecPlan
-from .container import (
-    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_end_frame, build_frame, build_index, build_preamble,
+from ..format import registry as R
+from ..format.chunks import ChunkTable, PlannedChunk, on_grid
+from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecPlan
+from ..format.container import (
+    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
 )
-from .crossmodel_header import with_state_bit
-from .decoder import RECORD_STRUCT
-from .header import Header, build_header
-from .state import planned_state_chunks
+from ..format.crossmodel import with_state_bit
+from ..format.header import Header, build_header
+from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
 from .tensors import as_numpy, as_uint
 
 FORMS = ("file", "stream")
 
 
 class Encoder:
-    """Builds one container incrementally: ``begin()``, ``chunk()`` per chunk in any order,
-    then ``end()``. Each call returns the buffers to append, in order."""
-
-    _SPARSE = False  # kvwire.sparse.SparseEncoder writes sparse headers (spec/sparse.md)
+    """Builds one container incrementally: ``begin()``, ``chunk()`` (or ``state_chunk()``)
+    per chunk in any order, then ``end()``. Each call returns the buffers to append, in
+    order. Dense, state and sparse headers alike (spec/sparse.md: ``chunk(..., head=h)``)."""
 
     def __init__(self, header: Header, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL):
         """``codec``: "raw", "zstd", a preset of ``kvwire.codecs.PRESETS``, a ``CodecSpec``, a
         mapping ``{(layer, component): codec}`` or a callable ``(layer, component, token_start)
         -> codec`` (spec/codecs.md); codec specs are added to the header (``Encoder.header``)."""
-        if (header.sparse is not None) != self._SPARSE:
-            raise ValueError("a sparse header is written by kvwire.sparse.SparseEncoder, a dense one by Encoder")
         header = with_state_bit(header)  # required bits follow from the header (KVW-STATE-1)
         # every chunk's pipeline, known before the header is built (spec/codecs.md; sparse: per head)
         self._plan = CodecPlan(header, codec, level)
@@ -59,6 +51,7 @@ class Encoder:
         self._records: list[np.ndarray] = []
         self._pos = 0
         self._state = "new"
+        self._order = PositionOrder(header.chunk_tokens) if header.sparse is not None else None
 
     @property
     def position(self) -> int:
@@ -71,12 +64,20 @@ class Encoder:
         self._pos = PREAMBLE_SIZE + len(self._header_bytes)
         return [build_preamble(self._header_bytes), self._header_bytes]
 
-    def chunk(self, layer: int, component: str, token_start: int, data) -> list:
-        """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor."""
+    def chunk(self, layer: int, component: str, token_start: int, data, *, head: int = 0) -> list:
+        """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor.
+
+        Sparse headers (spec/sparse.md): one head per chunk, ``head=h``, ``data`` [tokens,
+        dim] for K/V/LATENT and the absolute positions [tokens] for ``"positions"``; cells of
+        a head are [token_start, token_start + tokens) of its own index space."""
         self._expect("chunks", "chunk")
         h = self.header
         if not 0 <= layer < h.num_layers:  # a negative index would wrap onto the last layers
             raise ValueError(f"layer {layer} outside [0, {h.num_layers})")
+        if h.sparse is not None:
+            return self._sparse_chunk(layer, component, token_start, data, head)
+        if head:
+            raise ValueError(f"head={head}: a dense chunk covers every head of its component (KVW-CHUNK-3)")
         spec, r = h.arch.layers[layer], h.layer_tokens[layer]
         x = as_numpy(data)
         n = int(x.shape[1]) if x.ndim == 3 else -1
@@ -117,6 +118,42 @@ class Encoder:
         self._filled[slot] = True
         raw = memoryview(np.ascontiguousarray(as_uint(x)).reshape(-1)).cast("B")
         return self._emit(layer, "state", 0, h.token_count, index, 1, [raw])
+
+    def _sparse_chunk(self, layer: int, component: str, token_start: int, data, head: int) -> list:
+        h, t = self.header, self._table
+        spec = h.arch.layers[layer]
+        if component not in sparse_components(spec) or not 0 <= head < layer_heads(spec):
+            raise ValueError(f"layer {layer} ({spec.kind}) has no component {component!r} head {head}")
+        x = as_numpy(data)
+        n = len(x)
+        count = int(t.retained[t.offsets[layer] + head])
+        C = h.chunk_tokens
+        if not (n >= 1 and token_start % C == 0 and token_start + n == min(count, token_start + C)):
+            raise ValueError(f"tokens [{token_start}, {token_start + n}) are not one cell of layer {layer} head "
+                             f"{head}'s grid over [0, {count})")
+        slot = t.slot(layer, R.COMPONENTS[component], head, token_start, C)
+        if self._filled[slot]:
+            raise ValueError(f"chunk (layer {layer}, head {head}, {component}, token {token_start}) already written")
+        if component == "positions":
+            if x.shape != (n,) or (n and x[-1] >= h.sparse.next_position):
+                raise ValueError(f"positions of layer {layer} head {head} must be [tokens] below next_position")
+            body = encode_positions(x, h.first_position)
+            self._order.add(layer, head, token_start, x)
+            self._filled[slot] = True
+            return self._emit(layer, component, token_start, n, head, 1, [memoryview(body)], x=x)
+        want = (n, spec.shape(component, 1)[2])
+        if tuple(x.shape) != want or x.dtype != R.DTYPES[h.dtype][2]:
+            raise ValueError(f"layer {layer} head {head} {component}: {x.shape} {x.dtype}, need {want} {h.dtype}")
+        self._filled[slot] = True
+        u = as_uint(x)
+        return self._emit(layer, component, token_start, n, head, 1,
+                          [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")], x=x[None])
+
+    def put(self, chunk: PlannedChunk, data) -> list:
+        """Buffers of one planned chunk (``format.chunks.chunk_plan``), whatever its kind."""
+        if chunk.component == "state":
+            return self.state_chunk(chunk.layer, chunk.head, data)
+        return self.chunk(chunk.layer, chunk.component, chunk.token_start, data, head=chunk.head)
 
     def _emit(self, layer: int, component: str, token_start: int, n: int, head_start: int, head_count: int,
               pieces: list, bodies: BodyEncoder | None = None, x=None) -> list:
@@ -171,137 +208,21 @@ class Encoder:
             raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
 
 
-def iter_buffers(cache: KVCache, *, form: str = "file", codec="raw", level: int = DEFAULT_ZSTD_LEVEL,
-                 **header_changes):
-    """Yield the container's buffers (bytes and zero-copy memoryviews), layer-major.
+def iter_buffers(cache, *, form: str = "file", codec="raw", level: int = DEFAULT_ZSTD_LEVEL, **header_changes):
+    """Yield the container's buffers (bytes and zero-copy memoryviews) in canonical order.
 
-    ``header_changes`` override header fields for this encoding (``chunk_tokens``,
-    ``alignment``, ``model``, ``metadata`` ...).
+    ``cache`` is a ``KVCache`` or a ``SparseKVCache``; ``header_changes`` override header
+    fields for this encoding (``chunk_tokens``, ``alignment``, ``model``, ``metadata`` ...).
     """
     if header_changes:
         cache = cache.with_header(**header_changes)
-    if getattr(cache, "is_sparse", False):  # a SparseKVCache (spec/sparse.md)
-        from .sparse import iter_sparse_buffers
-
-        yield from iter_sparse_buffers(cache, form=form, codec=codec, level=level)
-        return
-    h = cache.header
-    enc = Encoder(h, codec=codec, level=level)
+    enc = Encoder(cache.header, codec=codec, level=level)
     yield from enc.begin()
-    host = {}  # one host view per tensor (a GPU tensor is copied to the host once, not per chunk)
-    states = list(planned_state_chunks(h))  # written in canonical (layer-major) order with the rest
-    for layer, comp, t0, n in planned_chunks(h):
-        while states and states[0][0] < layer:
-            yield from _state_chunk(enc, cache, *states.pop(0))
-        if (layer, comp) not in host:
-            host = {(layer, comp): as_numpy(cache.layers[layer][comp])}
-        local = t0 - h.layer_tokens[layer].start
-        yield from enc.chunk(layer, comp, t0, host[layer, comp][:, local : local + n, :])
-    for layer, index in states:
-        yield from _state_chunk(enc, cache, layer, index)
+    for chunk, data in cache.chunk_arrays():
+        yield from enc.put(chunk, data)
     yield from enc.end(form=form)
 
 
-def _state_chunk(enc: Encoder, cache: KVCache, layer: int, index: int) -> list:
-    return enc.state_chunk(layer, index, cache.state(layer)[cache.header.arch.layers[layer].state_tensors[index].name])
-
-
-def encode(cache: KVCache, **opts) -> bytes:
+def encode(cache, **opts) -> bytes:
     """The whole container as bytes (see ``iter_buffers`` for the options)."""
     return b"".join(iter_buffers(cache, **opts))
-
-
-def write_all(fd: int, buffers, *, batch_bytes: int = 8 << 20) -> int:
-    """writev every buffer in order; returns bytes written.
-
-    Buffers are grouped into batches of about ``batch_bytes`` that a second thread
-    writes while this one produces (and checksums) the next batch: ``os.writev``
-    releases the GIL, so hashing and the kernel copy overlap.
-    """
-    iov_max = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-    batches: queue.Queue = queue.Queue(maxsize=2)
-    failure: list[BaseException] = []
-
-    def drain() -> None:
-        while (batch := batches.get()) is not None:
-            if not failure:
-                try:
-                    _writev(fd, batch)
-                except BaseException as exc:  # reported to the producer below
-                    failure.append(exc)
-
-    writer = threading.Thread(target=drain, name="kvwire-writev", daemon=True)
-    writer.start()
-    total, batch, size = 0, [], 0
-    try:
-        for buf in buffers:
-            if failure:
-                break
-            mv = memoryview(buf).cast("B")
-            if mv.nbytes:
-                batch.append(mv)
-                size += mv.nbytes
-            if len(batch) >= iov_max or size >= batch_bytes:
-                batches.put(batch)
-                total += size
-                batch, size = [], 0
-        if batch and not failure:
-            batches.put(batch)
-            total += size
-    finally:
-        batches.put(None)
-        writer.join()
-    if failure:
-        raise failure[0]
-    return total
-
-
-def _writev(fd: int, batch: list) -> int:
-    written = 0
-    while batch:
-        n = os.writev(fd, batch)
-        written += n
-        while batch and n >= batch[0].nbytes:
-            n -= batch[0].nbytes
-            batch.pop(0)
-        if batch and n:
-            batch[0] = batch[0][n:]
-    return written
-
-
-def atomic_write(path, buffers, *, fsync: bool = False) -> int:
-    """writev ``buffers`` to a temporary file next to ``path``, then rename it over ``path``.
-
-    ``path`` holds either its old content or all of the new bytes, never a mix; with
-    ``fsync=True`` the file and its directory entry are durable before this returns.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        try:
-            size = write_all(fd, buffers)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if fsync:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return size
-
-
-def save(path, cache: KVCache, *, fsync: bool = False, **opts) -> int:
-    """Write ``cache`` to ``path`` in file form, atomically (``atomic_write``); returns the size."""
-    return atomic_write(path, iter_buffers(cache, form="file", **opts), fsync=fsync)

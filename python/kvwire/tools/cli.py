@@ -7,12 +7,12 @@ import json
 import sys
 from dataclasses import asdict
 
-from . import registry as R
-from .codecs import PRESETS
-from .errors import FormatError
-from .reader import open as kv_open
+from ..format import registry as R
+from ..codecs import PRESETS
+from ..format.errors import FormatError
+from ..cache.reader import open as kv_open
 from .synth import synth_cache
-from .writer import save
+from ..cache.files import save
 
 
 def _jsonable(obj):
@@ -138,11 +138,11 @@ def main(argv=None) -> int:
     s.add_argument("--new-tokens", type=int, default=16, help="tokens generated from the loaded cache")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("conformance", help="conformance kit: run the gold vectors against an implementation")
-    from .conformance.cli import configure as configure_conformance
+    from ..conformance.cli import configure as configure_conformance
 
     configure_conformance(s)
     from .fidelity import configure_cli as configure_fidelity
-    from .plan import configure_cli as configure_plan
+    from ..codecs.policy import configure_cli as configure_plan
 
     configure_fidelity(sub.add_parser("fidelity", help="bits per element and model-level fidelity of codecs"))
     configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))

@@ -10,6 +10,7 @@ in a Python loop), except the offset chain, which is inherently sequential.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,11 +18,11 @@ from . import limits as L
 from . import registry as R
 from .container import FRAME_SIZE, PREAMBLE_SIZE
 from .errors import CodecError, FeatureError, LayoutError, LimitError
-from .codec_spec import FEATURE_BIT as CODEC_SPECS_BIT
-from .codec_spec import check_spec_refs
+from .codec_specs import FEATURE_BIT as CODEC_SPECS_BIT
+from .codec_specs import check_spec_refs
 from .header import Header
 from .state import STATE, STATE_CODECS, state_rows, state_tables
-from .sparse_header import SparseTable, check_sparse_records
+from .sparse import SparseTable, check_sparse_records, planned_sparse_chunks
 
 NCOMP = len(R.COMPONENTS)
 
@@ -42,14 +43,43 @@ def on_grid(t0: int, n: int, chunk_tokens: int, lo: int, hi: int) -> bool:
             and t0 // C == (t1 - 1) // C)
 
 
-def planned_chunks(h: Header):
-    """(layer, component, token_start, token_count) of every chunk, layer-major."""
+class PlannedChunk(NamedTuple):
+    """One chunk a header implies. ``head`` is the record's ``head_start`` where it names
+    something: the kv head of a sparse chunk (KVW-SPARSE-7), the tensor index of a state
+    chunk (KVW-STATE-7); 0 otherwise."""
+
+    layer: int
+    component: str
+    token_start: int
+    token_count: int
+    head: int = 0
+
+
+def chunk_plan(h: Header):
+    """Every chunk of a container with header ``h``, in canonical order (KVW-CHUNK-9,
+    KVW-STATE-7, KVW-SPARSE-7): layer-major; a layer's components in order, each on its
+    token grid; a state layer's tensors in declaration order; a sparse layer's (component,
+    head, cell). One plan serves dense, state and sparse caches alike."""
+    if h.sparse is not None:
+        for layer, comp, t0, n, head in planned_sparse_chunks(h):
+            yield PlannedChunk(layer, comp, t0, n, head)
+        return
     for layer, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
+        if spec.kind == "state":  # one chunk per state tensor, spanning the whole cache (none for 0 tokens)
+            for index in range(len(spec.state_tensors) if h.token_count else 0):
+                yield PlannedChunk(layer, "state", 0, h.token_count, index)
+            continue
         for comp in spec.components:
-            if comp == "state":  # one chunk per state tensor, off the grid: state.planned_state_chunks
-                continue
             for t0, n in grid(r.start, r.count, h.chunk_tokens):
-                yield layer, comp, t0, n
+                yield PlannedChunk(layer, comp, t0, n)
+
+
+def planned_chunks(h: Header):
+    """(layer, component, token_start, token_count) of every token-grid chunk of a dense
+    header (K, V, latent), layer-major: what an engine gathers from its buffers."""
+    for c in chunk_plan(h):
+        if c.component != "state":
+            yield c[:4]
 
 
 @dataclass(frozen=True)

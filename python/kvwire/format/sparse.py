@@ -67,15 +67,15 @@ def retained_count(h, layer: int, head: int) -> int:
 
 
 def planned_sparse_chunks(h):
-    """(layer, component, token_start, head) of every chunk of a sparse header, in slot
-    order (KVW-SPARSE-7): layer, component code, head, cell."""
+    """(layer, component, token_start, token_count, head) of every chunk of a sparse
+    header, in slot order (KVW-SPARSE-7): layer, component code, head, cell."""
     counts, C = iter(h.sparse.retained_counts), h.chunk_tokens
     for layer, spec in enumerate(h.arch.layers):
         n = [next(counts) for _ in range(layer_heads(spec))]
         for comp in sparse_components(spec):
             for hd, count in enumerate(n):
                 for t0 in range(0, count, C):
-                    yield layer, comp, t0, hd
+                    yield layer, comp, t0, min(C, count - t0), hd
 
 
 def _fail(rule: str, msg: str, code: str = "SPARSE_INVALID", exc=SchemaError):

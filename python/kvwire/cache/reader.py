@@ -16,32 +16,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import registry as R
-from .cache import KVCache
-from .chunks import ChunkTable, check_offsets, check_records
-from .codecs import decode_chunk
-from .container import (
-    CHUNK_MARKER, END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, check_zero, has_trailer, header_bytes,
-    next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer, xxh3,
+from ..format import registry as R
+from .kvcache import KVCache
+from ..format.chunks import ChunkTable, check_offsets, check_records
+from ..codecs import decode_chunk
+from ..format.container import (
+    CHUNK_MARKER, END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, check_zero, has_trailer, next_frame_offset,
+    parse_end_frame, parse_frame, parse_index, parse_trailer, read_header, xxh3,
 )
-from .errors import ChecksumError, LayoutError, LimitError, TruncatedError, VersionError
-from .header import Header, parse_header
-from .state import read_state_layer, state_tensor_of
-from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
+from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedError
+from ..format.header import Header
+from ..format.state import STATE, state_tensor_of
+from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from .tensors import as_numpy, as_uint, carve, empty, is_torch, view, writable
-
-
-def _check_version(header: Header, minor: int) -> None:
-    if (header.format_major, header.format_minor) != (R.FORMAT_MAJOR, minor):
-        raise VersionError("VERSION_MISMATCH", f"header says {header.format_major}.{header.format_minor}, "
-                           f"preamble {R.FORMAT_MAJOR}.{minor}", rule="KVW-HDR-9")
-
-
-def _read_header(buf) -> tuple[Header, int]:
-    minor, hlen, hsum = parse_preamble(buf)
-    header = parse_header(header_bytes(buf, hlen, hsum))
-    _check_version(header, minor)
-    return header, hlen
 
 
 def probe(first_bytes) -> Header:
@@ -50,7 +37,7 @@ def probe(first_bytes) -> Header:
     Raises ``TruncatedError`` whose ``needed`` says how many bytes (from the start)
     are required when ``first_bytes`` is too short.
     """
-    return _read_header(first_bytes)[0]
+    return read_header(first_bytes)[0]
 
 
 class ChunkInfo(NamedTuple):
@@ -74,7 +61,7 @@ class Reader:
         self._readonly = memoryview(buffer).readonly
         self._closer = _closer
         self.size = len(buffer)
-        self.header, hlen = _read_header(buffer)
+        self.header, hlen = read_header(buffer)
         self._header_length = hlen
         table = ChunkTable.of(self.header)
         if table.total > MAX_CHUNKS:
@@ -238,7 +225,7 @@ class Reader:
             raise ValueError("a sparse container has per-head token subsets: use sparse_layer() or load()")
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
         if spec.kind == "state":  # {"state": {name: tensor}} (spec/crossmodel.md)
-            return read_state_layer(self, layer, verify, backend)
+            return self._state_layer(layer, verify, backend)
         if out is None:
             out = {comp: empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
                    for comp in spec.components}
@@ -263,10 +250,22 @@ class Reader:
                     dst[:, a : a + src.shape[1], :].copy_(src)
         return out
 
+    def _state_layer(self, layer: int, verify: bool, backend: str) -> dict:
+        """{"state": {name: tensor}} of a state layer; an empty dict for a cache of 0 tokens."""
+        out = {}
+        if self.header.token_count:
+            for index, t in enumerate(self.header.arch.layers[layer].state_tensors):
+                i = int(self._lookup[self._table.base[layer, STATE] + index])
+                x = self._decode(i, verify, backend)
+                if self._info(i).codec == "raw":  # a view of the container: layer()/load() own their memory
+                    x = x.copy() if backend == "numpy" else x.clone()
+                out[t.name] = x
+        return {"state": out}
+
     def layer_for(self, receiver_layer: int):
         """Where a receiver layer's cache comes from under the header's layer map: a
         ``kvwire.layermap.LayerSource`` (op, transmitted_layer, owner) (KVW-MAP-6)."""
-        from .layermap import layer_for
+        from ..format.layermap import layer_for
 
         return layer_for(self.header, receiver_layer)
 

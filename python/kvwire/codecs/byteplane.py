@@ -19,7 +19,8 @@ import struct
 import numpy as np
 import zstandard
 
-from .errors import CodecError
+from ..format.errors import CodecError
+from .zstd import decode_body
 
 _WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
@@ -67,8 +68,6 @@ def encode(raw, width: int, cctx: zstandard.ZstdCompressor) -> list:
 def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None) -> np.ndarray:
     """The ``length`` bytes a byteplane body of element width ``width`` encodes (uint8 array),
     written into ``out`` (a writable buffer of ``length`` bytes) when given."""
-    from . import codecs  # zstd frame rules (KVW-CODEC-2/3); codecs imports this module, so not at the top
-
     mv = memoryview(stored).cast("B")
     n, rest = divmod(length, width)
     head = 4 * width
@@ -86,7 +85,7 @@ def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None
         if ln > n:
             raise CodecError("DECODE_FAILED", f"plane {j}: {ln} stored bytes for {n} elements", rule=rule)
         if ln != n:  # a zstd frame of content size n (KVW-BPZ-2)
-            piece = codecs.decode_body("zstd", piece, n)
+            piece = decode_body("zstd", piece, n)
         srcs.append(np.frombuffer(piece, np.uint8))
     if isinstance(out, np.ndarray) and out.ndim > 1:  # words in place (e.g. a token slice of a layer)
         assert width in _WORD and out.dtype.itemsize == width and out.size == n and not rest

@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from . import registry as R
-from .header import Architecture, LayerSpec, ModelIdentity, RopeParams
+from ..format import registry as R
+from ..format.header import Architecture, LayerSpec, ModelIdentity, RopeParams
 
 FINGERPRINT_SCHEME = 1  # ModelIdentity.fingerprint_scheme of the computations below (KVW-ID-1)
 DIGEST_SIZE = 32
@@ -289,10 +289,8 @@ def make_identity(arch: Architecture, dtype: str, *, tokenizer: bytes, weights: 
         layer_weights_fingerprints=layer_weights, fingerprint_scheme=FINGERPRINT_SCHEME, **names)
 
 
-from .compat import LocalModel, Verdict, check_compatible  # noqa: E402  (re-export)
-
 __all__ = [
-    "FINGERPRINT_SCHEME", "LocalModel", "Verdict", "arch_json", "canonical_json", "check_compatible",
+    "FINGERPRINT_SCHEME", "arch_json", "canonical_json",
     "compat_fingerprint", "config_fingerprint", "hf_layer_of", "layer_weights_fingerprints", "make_identity",
     "tokenizer_fingerprint", "weights_fingerprint",
 ]

@@ -41,8 +41,8 @@ def _mib(n: int) -> str:
 
 def synthetic(layers: int = 32, tokens: int = 2048) -> int:
     """Synthesize a Llama-3-8B-shaped cache, save it, reopen zero-copy, verify, report."""
-    from .reader import open as kv_open
-    from .writer import save
+    from ..cache.reader import open as kv_open
+    from ..cache.files import save
 
     cache = synth_cache(layers, 8, 128, tokens, seed=0, model_type="llama")
     raw = cache.nbytes
@@ -69,16 +69,17 @@ def synthetic(layers: int = 32, tokens: int = 2048) -> int:
 
 
 def _build(layers: int, seed: int):
-    from .adapters import zoo
+    from ..adapters import zoo
 
     return zoo.build(DEMO_MODEL, seed, num_hidden_layers=layers, **DEMO_CONFIG)
 
 
 def produce(workdir: Path, layers: int, tokens: int, new_tokens: int) -> dict:
     """Prefill, save, continue: what the receiver must reproduce."""
-    from .adapters import hf, zoo
-    from .conformance.crossmodel import forward, greedy, prompt_ids, quiet_torch
-    from .writer import save
+    from ..adapters import hf
+    from ..adapters import zoo
+    from ..conformance.crossmodel import forward, greedy, prompt_ids, quiet_torch
+    from ..cache.files import save
 
     with quiet_torch():
         model = _build(layers, 0)
@@ -106,12 +107,13 @@ def produce(workdir: Path, layers: int, tokens: int, new_tokens: int) -> dict:
 def receive(workdir: Path) -> dict:
     """The fresh process: probe the header, check compatibility, load, continue; and time
     the same continuation after recomputing the prefill instead."""
-    from .adapters import hf, zoo
-    from .conformance.crossmodel import forward, greedy, quiet_torch, verdict_json
-    from .container import parse_preamble
-    from .errors import TruncatedError
-    from .identity import check_compatible
-    from .reader import open as kv_open, probe
+    from ..adapters import hf
+    from ..adapters import zoo
+    from ..conformance.crossmodel import forward, greedy, quiet_torch, verdict_json
+    from ..format.container import parse_preamble
+    from ..format.errors import TruncatedError
+    from ..model.compat import check_compatible
+    from ..cache.reader import open as kv_open, probe
 
     job = json.loads((workdir / "job.json").read_text())
     path = workdir / job["file"]
@@ -190,12 +192,12 @@ def run(layers: int | None = None, tokens: int | None = None, new_tokens: int = 
         import torch  # noqa: F401
         import transformers  # noqa: F401
 
-        from .adapters import hf  # noqa: F401
+        from ..adapters import hf  # noqa: F401
     except ImportError as exc:
         print(f"kvwire demo: the end-to-end demo needs torch and transformers ({exc}).")
         print("  install them with:  pip install 'kvwire[hf]' torch   -- running the synthetic demo instead")
         return synthetic(layers or 32, tokens or 2048)
-    from .conformance.crossmodel import subprocess_env
+    from ..conformance.crossmodel import subprocess_env
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -211,7 +213,7 @@ def run(layers: int | None = None, tokens: int | None = None, new_tokens: int = 
 
 def main(argv) -> int:
     if len(argv) != 2 or argv[0] != "receive":
-        print("usage: python -m kvwire.demo receive DIR", file=sys.stderr)
+        print("usage: python -m kvwire.tools.demo receive DIR", file=sys.stderr)
         return 2
     workdir = Path(argv[1])
     (workdir / "received.json").write_text(json.dumps(receive(workdir)))

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import registry as R
+from ..format import registry as R
 
 _TORCH_NAMES = {
     "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f8_e4m3fn": "float8_e4m3fn",

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from . import registry as R
-from .errors import CodecError
+from ..format import registry as R
+from ..format.errors import CodecError
 
 F32 = np.dtype("<f4")
 FP8 = {  # format -> (numpy dtype, largest finite value)

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .header import LayerSpec, RopeParams
-from .tensors import dtype_name, is_torch
+from ..format.header import LayerSpec, RopeParams
+from ..cache.tensors import dtype_name, is_torch
 
 # rope types whose inverse frequencies are a function of RopeParams alone (KVW-ROPE-3)
 REPOSITIONABLE = ("default", "linear", "llama3", "yarn")
@@ -219,7 +219,7 @@ def shift(cache, new_first_position: int):
     difference with its layer's RoPE parameters; values are shared, not copied. Refuses
     (``RepositionError`` naming every cause) what ``shift_problems`` lists (KVW-ROPE-6).
     """
-    from .cache import KVCache
+    from ..cache.kvcache import KVCache
 
     h = cache.header
     problems = shift_problems(h, new_first_position)

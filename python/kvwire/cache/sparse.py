@@ -16,15 +16,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from . import registry as R
-from .codecs import DEFAULT_ZSTD_LEVEL, decode_body
-from .header import Header, check_header
-from .sparse_header import (
+from ..format import registry as R
+from ..codecs import decode_body
+from ..format.chunks import chunk_plan
+from ..format.header import Header, check_header
+from ..format.sparse import (
     SPARSE_BIT, PositionOrder, SparseInfo, decode_positions, encode_positions, layer_heads, retained_count,
     sparse_components,
 )
 from .tensors import as_numpy, as_uint, carve, dtype_name, empty
-from .writer import Encoder
 
 # ---------------------------------------------------------------------------------------
 # The cache
@@ -160,6 +160,16 @@ class SparseKVCache:
                            for hd in range(len(n))])
         return cls(header, layers)
 
+    def chunk_arrays(self):
+        """(PlannedChunk, array) of every chunk in canonical order (layer, component, head,
+        cell; KVW-SPARSE-7): [tokens, dim] rows, or the cell's absolute positions."""
+        key, host = None, None
+        for c in chunk_plan(self.header):
+            if (c.layer, c.head, c.component) != key:
+                key = (c.layer, c.head, c.component)
+                host = as_numpy(self.layers[c.layer][c.head][c.component])
+            yield c, host[c.token_start : c.token_start + c.token_count]
+
     def with_header(self, **changes) -> "SparseKVCache":
         """Same tensors, header fields replaced (``chunk_tokens``, ``model``, ``alignment`` ...)."""
         return SparseKVCache(replace(self.header, **changes), self.layers)
@@ -179,75 +189,6 @@ class SparseKVCache:
         s = self.header.sparse
         return (f"SparseKVCache({self.num_layers} layers, {sum(s.retained_counts)} retained (layer, head) tokens, "
                 f"next position {s.next_position}, method {s.method!r}, {self.header.dtype})")
-
-
-# ---------------------------------------------------------------------------------------
-# Encoding
-# ---------------------------------------------------------------------------------------
-
-class SparseEncoder(Encoder):
-    """``Encoder`` for sparse headers: ``chunk(layer, component, token_start, data, head=h)``
-    with ``data`` [tokens, dim] for K/V/LATENT and the absolute positions [tokens] for
-    ``"positions"``; cells of one head are [token_start, token_start + tokens) of its
-    own index space."""
-
-    _SPARSE = True
-
-    def __init__(self, header: Header, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL):
-        """``codec`` as for ``Encoder`` (spec/codecs.md): K/V/LATENT chunks take any pipeline,
-        POSITIONS chunks raw or zstd (KVW-SPARSE-9; a single codec spec gives them zstd, a
-        per-chunk choice of a spec for them is refused). A callable may take a ``head=``
-        keyword to choose per head."""
-        super().__init__(header, codec=codec, level=level)
-        self._order = PositionOrder(header.chunk_tokens)
-
-    def chunk(self, layer: int, component: str, token_start: int, data, *, head: int = 0) -> list:
-        self._expect("chunks", "chunk")
-        h, t = self.header, self._table
-        if not 0 <= layer < h.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {h.num_layers})")
-        spec = h.arch.layers[layer]
-        if component not in sparse_components(spec) or not 0 <= head < layer_heads(spec):
-            raise ValueError(f"layer {layer} ({spec.kind}) has no component {component!r} head {head}")
-        x = as_numpy(data)
-        n = len(x)
-        count = int(t.retained[t.offsets[layer] + head])
-        C = h.chunk_tokens
-        if not (n >= 1 and token_start % C == 0 and token_start + n == min(count, token_start + C)):
-            raise ValueError(f"tokens [{token_start}, {token_start + n}) are not one cell of layer {layer} head "
-                             f"{head}'s grid over [0, {count})")
-        slot = t.slot(layer, R.COMPONENTS[component], head, token_start, C)
-        if self._filled[slot]:
-            raise ValueError(f"chunk (layer {layer}, head {head}, {component}, token {token_start}) already written")
-        if component == "positions":
-            if x.shape != (n,) or (n and x[-1] >= h.sparse.next_position):
-                raise ValueError(f"positions of layer {layer} head {head} must be [tokens] below next_position")
-            body = encode_positions(x, h.first_position)
-            self._order.add(layer, head, token_start, x)
-            self._filled[slot] = True
-            return self._emit(layer, component, token_start, n, head, 1, [memoryview(body)], x=x)
-        want = (n, spec.shape(component, 1)[2])
-        if tuple(x.shape) != want or x.dtype != R.DTYPES[h.dtype][2]:
-            raise ValueError(f"layer {layer} head {head} {component}: {x.shape} {x.dtype}, need {want} {h.dtype}")
-        self._filled[slot] = True
-        u = as_uint(x)
-        return self._emit(layer, component, token_start, n, head, 1,
-                          [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")], x=x[None])
-
-
-def iter_sparse_buffers(cache: SparseKVCache, *, form: str = "file", codec="raw",
-                        level: int = DEFAULT_ZSTD_LEVEL):
-    """The container's buffers in canonical order: layer, component, head, cell (KVW-SPARSE-7)."""
-    h = cache.header
-    enc = SparseEncoder(h, codec=codec, level=level)
-    yield from enc.begin()
-    for layer, (spec, heads) in enumerate(zip(h.arch.layers, cache.layers)):
-        for comp in sparse_components(spec):
-            for hd, head in enumerate(heads):
-                x = as_numpy(head[comp])
-                for t0, n in enc._table.head_chunks(layer, hd, h.chunk_tokens):
-                    yield from enc.chunk(layer, comp, t0, x[t0 : t0 + n], head=hd)
-    yield from enc.end(form=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -329,5 +270,5 @@ def read_sparse(reader, *, verify: bool = True, backend: str = "numpy", device=N
     return SparseKVCache(h, layers)
 
 
-__all__ = ["check_positions", "PositionOrder", "SparseEncoder", "SparseInfo", "SparseKVCache", "decode_positions", "encode_positions",
-           "iter_sparse_buffers", "read_sparse", "read_sparse_layer"]
+__all__ = ["check_positions", "PositionOrder", "SparseInfo", "SparseKVCache", "decode_positions", "encode_positions",
+           "read_sparse", "read_sparse_layer"]

@@ -23,10 +23,10 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .cache import KVCache
-from .reader import load
-from .tensors import as_numpy, dtype_name
-from .writer import encode
+from ..cache.kvcache import KVCache
+from ..cache.reader import load
+from ..cache.tensors import as_numpy, dtype_name
+from ..cache.encoder import encode
 
 BF16_BITS = 16
 
@@ -246,7 +246,7 @@ def kv_stats(cache: KVCache) -> list:
 
 def astype(cache: KVCache, dtype: str) -> KVCache:
     """The same cache with every tensor converted to ``dtype`` (numpy, rounding to nearest)."""
-    from .registry import dtype_info
+    from ..format.registry import dtype_info
 
     np_dtype = dtype_info(dtype)[2]
     return KVCache(cache.header.replace(dtype=dtype),
@@ -259,7 +259,7 @@ def prefill_hf(model, input_ids, *, dtype: str = "bf16") -> list:
     would hold and send."""
     import torch
 
-    from .adapters.hf import from_hf_batch
+    from ..adapters.hf import from_hf_batch
 
     ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
     with torch.no_grad():
@@ -288,7 +288,7 @@ class HFHook:
         self._kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def _past(self, caches: Sequence[KVCache]):
-        from .adapters.hf import to_hf
+        from ..adapters.hf import to_hf
 
         return to_hf([c if c.header.dtype == self.dtype else astype(c, self.dtype) for c in caches], self.model)
 
@@ -316,7 +316,7 @@ class HFHook:
 # --- reports and the ``kvwire fidelity`` command ------------------------------------------
 
 def default_codecs() -> list:
-    from .codecs import PRESETS
+    from ..codecs import PRESETS
 
     return ["raw", "zstd", *PRESETS]
 

@@ -29,12 +29,12 @@ from .fbs import ModelIdentity as fbModel
 from .fbs import Producer as fbProducer
 from .fbs import RopeParams as fbRope
 from .fbs import TokenRange as fbRange
-from .codec_spec import build_codec_specs, check_codec_specs, read_codec_specs
+from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
 from .flatbuf import Buffer, Table
-from .sparse_header import SparseInfo, build_sparse, check_sparse, read_sparse
-from . import crossmodel_header as XM
-from .crossmodel_header import PrefixChain, StateTensor
-from .version import __version__
+from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
+from . import crossmodel as XM
+from .crossmodel import PrefixChain, StateTensor
+from ..version import __version__
 
 HEADER_IDENTIFIER = b"KVWH"
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from . import registry as R
-from .header import Architecture, Header, LayerSpec, ModelIdentity, RopeParams
+from ..format import registry as R
+from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, RopeParams
+from ..format.layermap import resolve
+from .identity import FINGERPRINT_SCHEME, compat_fingerprint
 
 EXACT, CONVERTIBLE, INCOMPATIBLE = "exact", "convertible", "incompatible"
 
@@ -96,8 +98,6 @@ def _needed_tokens(spec: LayerSpec, token_count: int, first_position: int) -> tu
 
 def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, conversions: list) -> None:
     """Hard tier (KVW-XM-3, KVW-XM-4, KVW-XM-6): fingerprints, compared before any body is read."""
-    from .identity import FINGERPRINT_SCHEME, compat_fingerprint
-
     m, lm = h.model, local.identity
     for who, ident in (("sender", m), ("receiver", lm)):
         if ident.fingerprint_scheme not in (0, FINGERPRINT_SCHEME) and ident.compat_fingerprint:
@@ -149,8 +149,6 @@ def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, convers
 
 def _mapped_pairs(h: Header, mine: Architecture) -> list[tuple[int, int, int, int]]:
     """(receiver layer, transmitted layer, resolved transmitted, resolved receiver) per copy/alias entry."""
-    from .layermap import resolve
-
     return [(r, t, _resolve(h.arch, t)[0], _resolve(mine, r)[0])
             for r, (op, t) in enumerate(resolve(h.layer_map, mine.num_layers, [])) if op in ("copy", "alias")]
 
@@ -196,8 +194,6 @@ def _structure(h: Header, local: LocalModel, reasons: list, conversions: list) -
         if not local.accept_layer_map:
             reasons.append("layer map: the receiver does not apply layer maps")
             return
-        from .layermap import resolve
-
         plan = resolve(h.layer_map, mine.num_layers, reasons)
         ops = {}
         for r, (op, t) in enumerate(plan):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import registry as R
-from .cache import KVCache
-from .header import Architecture, Header, ModelIdentity
+from ..format import registry as R
+from ..cache.kvcache import KVCache
+from ..format.header import Architecture, Header, ModelIdentity
 
 
 def synth_cache(layers: int = 4, kv_heads: int = 8, head_dim: int = 128, tokens: int = 512, *,

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .cache import KVCache
+from .kvcache import KVCache
 from .tensors import torch_dtype
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32"}

@@ -35,25 +35,23 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from . import registry as R
-from .chunks import ChunkTable, check_record_fields, on_grid
-from .codecs import decode_chunk
-from .container import (
-    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
-    next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer, xxh3,
+from ..format import registry as R
+from ..format.chunks import ChunkTable, check_record_fields, on_grid
+from ..codecs import decode_chunk
+from ..format.container import (
+    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
+    check_version, next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer,
+    xxh3,
 )
-from .errors import ChecksumError, LayoutError, LimitError, TruncatedError
-from .header import Header, parse_header
-from .limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
-from .reader import _check_version
-from .sparse_header import PositionOrder, decode_positions
-from .state import state_tensor_of
+from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedError
+from ..format.header import Header, parse_header
+from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
+from ..format.sparse import PositionOrder, decode_positions
+from ..format.state import state_tensor_of
 from .tensors import as_numpy, as_uint, view, writable
 
-# ChunkRecord fields in RECORD_DTYPE order: offset, stored_length, raw_length, checksum, token_start,
+# Fields of RECORD_STRUCT (RECORD_DTYPE order): offset, stored_length, raw_length, checksum, token_start,
 # token_count, layer, component, codec, flags, head_start, head_count, reserved0, reserved1
-RECORD_STRUCT = struct.Struct("<QQQQIIHBBHHHHI")
-assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize
 # The fast path takes only v1.0's plain codes; anything else goes to check_record_fields.
 _PLAIN_COMPONENT = R.COMPONENTS["latent"]
 _PLAIN_CODEC = R.CODECS["zstd"]
@@ -302,7 +300,7 @@ class StreamDecoder:
                                 rule="KVW-PRE-6")
         minor = struct.unpack_from("<H", self._bytes(10, 12))[0]
         self.header = parse_header(data)
-        _check_version(self.header, minor)
+        check_version(self.header, minor)
         self._table = ChunkTable.of(self.header)
         if self._table.total > MAX_CHUNKS:
             raise LimitError("LIMIT_EXCEEDED", f"header implies {self._table.total} chunks", rule="KVW-LIM-1")

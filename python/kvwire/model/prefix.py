@@ -1,63 +1,18 @@
-"""Prefix hash chain (spec/crossmodel.md, KVW-PREFIX-*): portable keys for cache hits.
-
-Every engine that hashes the same token ids with the same model and chunk size gets the
-same 32-byte keys, so a scheduler can tell how many leading tokens of a request a stored
-cache covers from headers alone, without Python's salted ``hash`` (the LMCache bug).
-Chunk k's hash is SHA-256(hash of chunk k-1 || token ids of chunk k as little-endian u32);
-chunk -1's "hash" is the root, which binds the model (compat fingerprint) and chunk size.
+"""Cache hits from headers alone (spec/crossmodel.md, KVW-PREFIX-6): how many leading
+tokens of a request a stored cache covers, and an index of many caches' chains, so a
+scheduler decides a hit without loading tensors. The chain itself is
+``kvwire.format.prefix``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
 
-PREFIX_SCHEME = 1  # PrefixChain.scheme of this computation
-TAG_ROOT = b"kvwire.prefix.v1\x00"
-HASH_SIZE = 32
-
-
-def prefix_root(fingerprint: bytes, chunk_tokens: int) -> bytes:
-    """The chain's starting value for a cache that starts at position 0 (KVW-PREFIX-2)."""
-    fp = bytes(fingerprint)
-    if not 1 <= chunk_tokens < 1 << 32:
-        raise ValueError(f"chunk_tokens {chunk_tokens} is not a positive u32")
-    return hashlib.sha256(TAG_ROOT + struct.pack("<HII", PREFIX_SCHEME, chunk_tokens, len(fp)) + fp).digest()
-
-
-def _token_bytes(tokens) -> bytes:
-    a = np.asarray(tokens)
-    if a.ndim != 1:
-        raise ValueError("tokens must be a 1-D sequence of token ids")
-    if a.size and (a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= 1 << 32):
-        raise ValueError("token ids must be integers in [0, 2**32)")
-    return a.astype("<u4").tobytes()
-
-
-def chain(tokens, chunk_tokens: int, root: bytes) -> bytes:
-    """Hashes of the chunks of ``tokens`` (cut every ``chunk_tokens``; the last may be partial), concatenated."""
-    raw = _token_bytes(tokens)
-    step = 4 * chunk_tokens
-    out = bytearray()
-    prev = bytes(root)
-    for off in range(0, len(raw), step):
-        prev = hashlib.sha256(prev + raw[off:off + step]).digest()
-        out += prev
-    return bytes(out)
-
-
-def prefix_hashes(tokens: Sequence[int], chunk_tokens: int, fingerprint: bytes) -> bytes:
-    """32 bytes per chunk of ``tokens`` from position 0 (KVW-PREFIX-3); the last chunk may be partial."""
-    return chain(tokens, chunk_tokens, prefix_root(fingerprint, chunk_tokens))
-
-
-def num_chunks(token_count: int, chunk_tokens: int) -> int:
-    return -(-token_count // chunk_tokens)
-
+from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, chain, num_chunks, prefix_root, token_bytes
 
 def covered_tokens(header, tokens: Sequence[int], *, fingerprint: bytes | None = None) -> int:
     """How many leading tokens of ``tokens`` (a request from position 0) the cache's chain covers.
@@ -85,7 +40,7 @@ def covered_tokens(header, tokens: Sequence[int], *, fingerprint: bytes | None =
             return 0
         prev = p.root
     covered = start
-    raw = _token_bytes(toks[start:start + header.token_count])
+    raw = token_bytes(toks[start:start + header.token_count])
     for k in range(num_chunks(header.token_count, C)):
         want = p.hashes[k * HASH_SIZE:(k + 1) * HASH_SIZE]
         n = min(C, header.token_count - k * C)
@@ -144,7 +99,7 @@ class PrefixIndex:
 
     def lookup(self, tokens: Sequence[int], fingerprint: bytes, chunk_tokens: int) -> Hit | None:
         """The cache covering the most leading tokens of ``tokens``, or None."""
-        raw = _token_bytes(tokens)
+        raw = token_bytes(tokens)
         prev = prefix_root(fingerprint, chunk_tokens)
         best: Hit | None = None
         step = 4 * chunk_tokens

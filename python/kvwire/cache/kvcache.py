@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from .header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
-from .state import check_state_tensors, layer_tensors
+from ..format.chunks import chunk_plan
+from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
 from .tensors import as_numpy, dtype_name, is_torch
 
 
@@ -95,6 +95,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(as_numpy(x).nbytes for layer in self.layers for _, x in layer_tensors(layer))
 
+    def chunk_arrays(self):
+        """(PlannedChunk, array) of every chunk in canonical order (``chunk_plan``): the
+        token slice [heads, tokens, dim] of a component, or a whole state tensor. A torch
+        tensor is brought to the host once, not once per chunk."""
+        h, key, host = self.header, None, None
+        for c in chunk_plan(h):
+            if c.component == "state":
+                yield c, self.layers[c.layer]["state"][h.arch.layers[c.layer].state_tensors[c.head].name]
+                continue
+            if (c.layer, c.component) != key:
+                key, host = (c.layer, c.component), as_numpy(self.layers[c.layer][c.component])
+            local = c.token_start - h.layer_tokens[c.layer].start
+            yield c, host[:, local : local + c.token_count, :]
+
     def with_header(self, **changes) -> "KVCache":
         """Same tensors, header fields replaced (e.g. ``chunk_tokens``, ``model``)."""
         return KVCache(replace(self.header, **changes), self.layers)
@@ -118,3 +132,30 @@ class KVCache:
         backend = "torch" if any(is_torch(x) for layer in self.layers for _, x in layer_tensors(layer)) else "numpy"
         return (f"KVCache({h.num_layers} layers, {h.token_count} tokens, {h.dtype}, {backend}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+def layer_tensors(layer: dict):
+    """(name, tensor) of every tensor of a KVCache layer, state tensors included ("state.<name>")."""
+    for comp, x in layer.items():
+        if comp == "state":
+            for name, t in x.items():
+                yield f"state.{name}", t
+        else:
+            yield comp, x
+
+
+def check_state_tensors(spec, layer: int, tensors, token_count: int) -> None:
+    """A state layer holds exactly the declared tensors (none for a cache of 0 tokens), each
+    in the shape and dtype its ``StateTensor`` declares (spec/crossmodel.md, KVW-STATE-*)."""
+    names = {t.name for t in spec.state_tensors} if token_count else set()
+    if not isinstance(tensors, dict) or set(tensors) != names:
+        got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+        raise ValueError(f"layer {layer} (state) needs {{name: tensor}} for {sorted(names)}, "
+                         f"got {got}")
+    for t in spec.state_tensors:
+        if t.name not in tensors:
+            continue
+        x = tensors[t.name]
+        if tuple(x.shape) != t.shape or dtype_name(x) != t.dtype:
+            raise ValueError(f"layer {layer} state {t.name!r}: {tuple(x.shape)} {dtype_name(x)}, header declares "
+                             f"{t.shape} {t.dtype}")

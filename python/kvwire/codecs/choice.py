@@ -1,0 +1,110 @@
+"""Which pipeline encodes each chunk: a writer's codec choice evaluated per planned chunk
+before the header is built, so the header lists every codec spec before the first chunk
+(spec/codecs.md, KVW-CSPEC-*)."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import zstandard
+
+from . import byteplane, quant
+from ..format import registry as R
+from ..format.chunks import chunk_plan
+from ..format.codec_specs import FEATURE_BIT, LOSSY_COMPONENTS, CodecSpec
+from .pipeline import lossy_range
+from .presets import resolve
+from .zstd import DEFAULT_ZSTD_LEVEL
+
+class CodecPlan:
+    """Which pipeline encodes each chunk, decided before the header is built.
+
+    ``codec`` is a name, preset or CodecSpec (every chunk), a mapping (keys
+    ``(layer, component)``, ``component`` or ``None`` for the rest) or a callable
+    ``(layer, component, token_start) -> choice``, evaluated once per planned chunk here,
+    so the header can list every spec before the first chunk is written.
+    """
+
+    def __init__(self, header, codec, level: int = DEFAULT_ZSTD_LEVEL):
+        specs = list(header.codec_specs)
+        sparse = header.sparse is not None
+
+        def index(choice, comp, strict=True):  # "raw", "zstd" or a codec_spec >= 1, new specs in first-use order
+            c = resolve(choice, comp)
+            if comp == "positions" and isinstance(c, CodecSpec):  # KVW-SPARSE-9: raw or zstd only
+                if strict:
+                    raise ValueError(f"codec {c.codec} chosen for POSITIONS chunks: they are raw or zstd "
+                                     "(KVW-SPARSE-9)")
+                c = "zstd"  # one codec for the whole cache: the varint positions take zstd instead
+            elif isinstance(c, CodecSpec) and c.lossy and comp not in LOSSY_COMPONENTS:  # KVW-CSPEC-9
+                if strict:
+                    raise ValueError(f"lossy codec {c.codec} chosen for component {comp!r}: only k, v and latent")
+                c = "raw"  # one codec for the whole cache: non-KV tensors (e.g. state) stay exact
+            if isinstance(c, CodecSpec):
+                if c not in specs:
+                    specs.append(c)
+                c = specs.index(c) + 1
+            return c
+
+        self._choice: dict | None = None
+        if callable(codec) and not isinstance(codec, (str, CodecSpec, dict)):
+            pick = codec
+        elif isinstance(codec, dict) and not set(codec) <= set(R.COMPONENTS):
+            pick = lambda layer, comp, t0: codec.get((layer, comp), codec.get(comp, codec.get(None, "raw")))  # noqa: E731
+        else:  # the same for every chunk of a component: no per-chunk table
+            pick = None
+            used = dict.fromkeys(comp for s_ in header.arch.layers for comp in s_.components)
+            if sparse:
+                used["positions"] = None
+            self._by_comp = {comp: index(codec, comp, strict=False) for comp in used}
+        if pick is not None:  # keyed (layer, component, token_start, head); head 0 in dense containers
+            # sparse: per-head cells (KVW-SPARSE-7); a callable taking ``head`` also gets the head
+            with_head = sparse and _takes_head(pick)
+            self._choice = {
+                c[:3] + (c.head,): index(pick(*c[:3], head=c.head) if with_head else pick(*c[:3]), c.component)
+                for c in chunk_plan(header) if c.component != "state"}  # state chunks: lossless (KVW-STATE-8)
+        if len(specs) != len(header.codec_specs):
+            header = header.replace(codec_specs=tuple(specs), required_features=header.required_features | FEATURE_BIT)
+        self.header = header
+        self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        self._planes = byteplane.plane_compressor(level) if any(
+            s.codec == "byteplane_zstd" or s.lossless == "byteplane_zstd" for s in specs) else None
+
+    def encode(self, layer: int, component: str, token_start: int, x: np.ndarray, pieces: list, raw_length: int,
+               head: int = 0):
+        """(codec name, codec_spec, stored pieces) of one chunk; ``pieces`` are its raw bytes,
+        ``x`` its [heads, tokens, dim] array (``head``: a sparse chunk's one head)."""
+        c = self._by_comp.get(component, "raw") if self._choice is None else \
+            self._choice.get((layer, component, token_start, head), "raw")
+        if c == "raw":
+            return "raw", 0, pieces
+        if c == "zstd":
+            frame = self._zstd.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            return ("zstd", 0, [frame]) if len(frame) < raw_length else ("raw", 0, pieces)  # KVW-CHUNK-6
+        h = self.header
+        spec = h.codec_specs[c - 1]
+        if spec.codec == "byteplane_zstd":
+            stored = byteplane.encode(pieces[0] if len(pieces) == 1 else b"".join(pieces), h.itemsize, self._planes)
+            if sum(memoryview(p).nbytes for p in stored) >= raw_length:  # KVW-BPZ-4
+                return "raw", 0, pieces
+            return spec.codec, c, stored
+        lay = quant.layout(spec, h.dtype, x.shape[0], x.shape[2], token_start, token_start + x.shape[1],
+                           *lossy_range(h, layer, head))
+        body = quant.encode(spec, x, lay)
+        if spec.lossless != "raw":  # chained stage, kept only when it is shorter (KVW-CSPEC-7)
+            joined = b"".join(memoryview(p).cast("B") for p in body)
+            if spec.lossless == "zstd":
+                staged = [self._zstd.compress(joined)]
+            else:
+                staged = byteplane.encode(joined, h.itemsize, self._planes)
+            if sum(memoryview(p).nbytes for p in staged) < len(joined):
+                body = staged
+        return spec.codec, c, body
+
+
+def _takes_head(pick) -> bool:
+    try:
+        return "head" in inspect.signature(pick).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False

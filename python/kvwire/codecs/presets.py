@@ -1,0 +1,53 @@
+"""Named codec pipelines (``codec="kivi2"``, ``"int8"`` ...) and the resolution of a codec
+choice into "raw", "zstd" or a ``CodecSpec`` (spec/codecs.md)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..format import registry as R
+from ..format.codec_specs import CodecSpec
+
+def _kivi(bits: int) -> dict:
+    """KIVI (arXiv 2402.02750): keys per channel over groups of 32 tokens, values per token
+    over groups of 32 channels, min-max asymmetric, the last 128 tokens in full precision."""
+    base = CodecSpec("int_affine", bits=bits, group_size=32, scale_dtype="f16", residual_tokens=128)
+    return {"k": base, "v": replace(base, group_axis="channels"), "latent": replace(base, group_axis="channels")}
+
+
+# Named pipelines: a CodecSpec for every component, or {component: CodecSpec}.
+PRESETS = {
+    "byteplane": CodecSpec("byteplane_zstd"),
+    "fp8-e4m3": CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="head"),
+    "fp8-e4m3-token": CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="token"),
+    "fp8-e4m3fnuz": CodecSpec("fp8", fp8_format="f8_e4m3fnuz", scale_granularity="head"),
+    "fp8-e5m2": CodecSpec("fp8", fp8_format="f8_e5m2", scale_granularity="head"),
+    # per token and head; symmetric with an f16 scale: 8.125 bits per element at head_dim 128
+    "int8": CodecSpec("int_affine", bits=8, group_size=128, group_axis="channels", symmetric=True, scale_dtype="f16"),
+    # SGLang's int8: asymmetric, f32 scale and zero per token and head (8.5 bits at head_dim 128)
+    "int8-asym": CodecSpec("int_affine", bits=8, group_size=128, group_axis="channels"),
+    "int4-g32": CodecSpec("int_affine", bits=4, group_size=32, group_axis="channels", scale_dtype="f16"),
+    "int4-g32-zstd": CodecSpec("int_affine", bits=4, group_size=32, group_axis="channels", scale_dtype="f16",
+                               lossless="zstd"),
+    "kivi2": _kivi(2),
+    "kivi4": _kivi(4),
+}
+
+
+def resolve(choice, component: str):
+    """A codec choice (name, CodecSpec, preset or None) for one component: "raw", "zstd"
+    or a CodecSpec."""
+    if choice is None:
+        return "raw"
+    if isinstance(choice, CodecSpec):
+        return choice
+    if isinstance(choice, dict):  # a preset's {component: spec}
+        return resolve(choice.get(component, "raw"), component)
+    if choice in ("raw", "zstd"):
+        return choice
+    if choice in PRESETS:
+        return resolve(PRESETS[choice], component)
+    if choice in R.CODECS:  # "byteplane_zstd", "fp8", "int_affine" with default parameters
+        return CodecSpec(choice)
+    raise ValueError(f"unknown codec {choice!r}: raw, zstd, a registry codec, a preset ({sorted(PRESETS)}), a "
+                     "CodecSpec, a {(layer, component): codec} mapping or a callable")

@@ -1,0 +1,3 @@
+"""Tools on top of everything else: the ``kvwire`` command (``cli``), the end-to-end
+``demo``, the ``fidelity`` harness for lossy codecs and ``synth`` caches for tests and
+benchmarks. Nothing below imports from here (the conformance kit sits beside it)."""
