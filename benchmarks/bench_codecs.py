@@ -144,8 +144,8 @@ def main(argv=None) -> int:
         data = kvwire.encode(cache, codec=name)
         r = kvwire.open(data)
         td = timed(lambda r=r: r.load(), a.repeat)
-        infos = [(r._info(i), int(r.records["reserved0"][i])) for i in range(r.chunk_count)]
-        stored = [bytes(r._stored(i, False)[1]) for i in range(r.chunk_count)]
+        infos = [(r.info(i), int(r.records["reserved0"][i])) for i in range(r.chunk_count)]
+        stored = [bytes(r.stored(i, False)[1]) for i in range(r.chunk_count)]
         h = r.header
 
         def body_only(h=h, infos=infos, stored=stored):

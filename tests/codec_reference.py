@@ -181,9 +181,9 @@ def decode_container(data) -> dict:
     with kvwire.open(data) as r:
         h = r.header
         for i, rec in enumerate(r.records):
-            c = r._info(i)
+            c = r.info(i)
             lt = h.layer_tokens[c.layer]
-            stored = bytes(r._stored(i, True)[1])
+            stored = bytes(r.stored(i, True)[1])
             idx = int(rec["reserved0"])
             if idx:
                 b = decode(h.codec_specs[idx - 1], h.dtype, stored, *c.shape, c.token_start, lt.start, lt.stop)
@@ -225,7 +225,7 @@ def decode_sparse_container(data):
         h = r.header
         layers = _zeros_like_sparse(h)
         for i, rec in enumerate(r.records):
-            c = r._info(i)
+            c = r.info(i)
             hd = int(rec["head_start"])
             dst = layers[c.layer][hd][c.component]
             t0, n = c.token_start, c.token_count
@@ -233,10 +233,10 @@ def decode_sparse_container(data):
                 dst[t0 : t0 + n] = r.chunk(c.layer, "positions", _chunk_index(r, i))
                 continue
             assert c.shape[0] == 1  # one head per chunk (KVW-SPARSE-7)
-            stored = bytes(r._stored(i, True)[1])
+            stored = bytes(r.stored(i, True)[1])
             idx = int(rec["reserved0"])
             if idx:
-                count = int(h.sparse.retained_counts[int(r._table.offsets[c.layer]) + hd])
+                count = int(h.sparse.retained_counts[int(r.grid.offsets[c.layer]) + hd])
                 b = decode(h.codec_specs[idx - 1], h.dtype, stored, *c.shape, t0, 0, count)
             else:
                 b = zstandard.ZstdDecompressor().decompress(stored) if c.codec == "zstd" else stored
@@ -246,6 +246,6 @@ def decode_sparse_container(data):
 
 def _chunk_index(r, i: int) -> int:
     rec = r.records[i]
-    return int(np.flatnonzero(r._lookup == i)[0]) - int(r._table.base[int(rec["layer"]), int(rec["component"])])
+    return int(np.flatnonzero(r.slot_records == i)[0]) - int(r.grid.base[int(rec["layer"]), int(rec["component"])])
 
 

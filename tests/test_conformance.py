@@ -11,7 +11,6 @@
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,11 +22,13 @@ import pytest
 
 import kvwire
 from kvwire.tools.cli import main
+from kvwire.conformance import compare as C
+from kvwire.conformance import digests as D
 from kvwire.conformance import neutral as N
-from kvwire.conformance.runner import (
-    CommandImpl, Runner, default_impl_argv, find_vectors_root, load_vector_set, load_vector_sets,
-)
-from kvwire.cache.reader import open as kv_open
+from kvwire.conformance.drivers import CommandImpl, default_impl_argv
+from kvwire.conformance.runner import Runner
+from kvwire.conformance.vectors import find_vectors_root, load_vector_set, load_vector_sets
+from kvwire.cache.files import open as kv_open
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "conformance" / "vectors"
@@ -172,7 +173,7 @@ def test_twins_agree_with_the_reference_reader_and_round_trip_through_json():
             r.validate()
             cache = r.load()
             assert N.header_to_json(cache.header) == v.twin["header"], v.name
-            assert N.tensor_digests(cache) == v.twin["tensors"], v.name
+            assert D.tensor_digests(cache) == v.twin["tensors"], v.name
             assert N.header_from_json(v.twin["header"]) == cache.header, v.name
 
 
@@ -282,20 +283,20 @@ def test_encode_spec_round_trip(tmp_path):
         assert r.form == "stream"
         got = N.header_to_json(r.header)
         twin = json.loads((v / "rope-positions.json").read_text())
-        assert N.compare_header(twin["header"], got) == ([], [])
-        assert N.compare_tensors(twin["tensors"], N.tensor_digests(r.load())) == []
+        assert C.compare_header(twin["header"], got) == ([], [])
+        assert C.compare_tensors(twin["tensors"], D.tensor_digests(r.load())) == []
 
 
 def test_compare_header_reports_missing_and_different_fields():
     twin = json.loads((VECTORS / "1.0" / "valid" / "rope-positions.json").read_text())["header"]
-    core = {k: twin[k] for k in N.CORE_HEADER_FIELDS}
-    errors, notes = N.compare_header(twin, core, ignore=())
+    core = {k: twin[k] for k in C.CORE_HEADER_FIELDS}
+    errors, notes = C.compare_header(twin, core, ignore=())
     assert errors == [] and "metadata: not reported" in notes and "producer: not reported" in notes
     bad = dict(core, first_position=3)
     bad["arch"] = json.loads(json.dumps(core["arch"]))
     bad["arch"]["layers"][1]["rope"]["theta"] = 1.0
     del bad["token_count"]
-    errors, _ = N.compare_header(twin, bad, ignore=())
+    errors, _ = C.compare_header(twin, bad, ignore=())
     assert any(e.startswith("first_position: expected 1099511627779") for e in errors)
     assert "token_count: not reported" in errors
     assert any(e.startswith("arch.layers[1].rope: expected") for e in errors)
@@ -316,8 +317,8 @@ BROKEN = textwrap.dedent('''
 
     mode = sys.argv.pop(1)
     if mode == "skip-checksum":  # never verifies body checksums
-        stored = reader.Reader._stored
-        reader.Reader._stored = lambda self, i, verify: stored(self, i, False)
+        stored = reader.Reader.stored
+        reader.Reader.stored = lambda self, i, verify: stored(self, i, False)
     elif mode == "alignment-64":  # assumes 64-byte alignment whatever the header says
         import kvwire.format.container as container
         parse = container.parse_header

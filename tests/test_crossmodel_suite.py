@@ -17,8 +17,9 @@ import pytest
 
 from kvwire import Architecture, Header, LayerMapEntry, LayerSpec, TokenRange
 from kvwire.tools.cli import main
-from kvwire.conformance import crossmodel as X
-from kvwire.conformance.runner import FAIL, PASS
+from kvwire.conformance import crossmodel_checks as C
+from kvwire.conformance import crossmodel_receiver as XR
+from kvwire.conformance.results import FAIL, PASS
 
 SLIDING = {"mistral", "gemma2", "gemma3_text", "gpt_oss", "gemma3n_text"}
 SHARED = {"gemma3n_text"}
@@ -56,7 +57,7 @@ def test_every_model_type_continues_bit_identically_in_a_fresh_process(suite):
 
     assert set(rows) == set(TINY_CONFIGS) and len(rows) == 14
     for mt, row in rows.items():
-        assert [row[c] for c in X.CORE_CHECKS] == ["pass"] * len(X.CORE_CHECKS), (mt, row)
+        assert [row[c] for c in C.CORE_CHECKS] == ["pass"] * len(C.CORE_CHECKS), (mt, row)
         assert row["sliding"] == ("pass" if mt in SLIDING else "-"), (mt, row)
         assert row["alias"] == ("pass" if mt in SHARED else "-"), (mt, row)
 
@@ -100,7 +101,7 @@ def _produced(header=None, **kw):
     fields = dict(model_type="llama", first_token=3, tokens=[4, 4], logits=logits, header=header, describe="",
                   hf_tokens=[10, 10], windows=[0, 0], expected_alias={})
     fields.update(kw)
-    return X.Produced(**fields)
+    return C.Produced(**fields)
 
 
 def _receiver(tmp_path, logits, tokens=(4, 4)):
@@ -111,19 +112,19 @@ def _receiver(tmp_path, logits, tokens=(4, 4)):
 
 def test_continuation_must_match_every_logit_bit(tmp_path):
     p = _produced()
-    assert X.compare_continuation(p, _receiver(tmp_path, p.logits), tmp_path)[0] == PASS
+    assert C.compare_continuation(p, _receiver(tmp_path, p.logits), tmp_path)[0] == PASS
     bits = p.logits.copy().view(np.uint32)
     bits[1, 2] ^= 1  # one ulp in one logit
-    status, msg = X.compare_continuation(p, _receiver(tmp_path, bits.view(np.float32)), tmp_path)
+    status, msg = C.compare_continuation(p, _receiver(tmp_path, bits.view(np.float32)), tmp_path)
     assert status == FAIL and "1 of 10" in msg and "step 1 token 2" in msg
     base = p.logits.copy()
     base[0, 3] = 0.0
     negative = base.copy()
     negative[0, 3] = -0.0  # equal as numbers, not as bits
-    assert X.compare_continuation(_produced(logits=base), _receiver(tmp_path, negative), tmp_path)[0] == FAIL
-    assert X.compare_continuation(p, _receiver(tmp_path, p.logits, (4, 5)), tmp_path)[0] == FAIL
-    assert X.compare_continuation(p, _receiver(tmp_path, p.logits[:1]), tmp_path)[0] == FAIL
-    status, msg = X.compare_continuation(p, {"error": "ValueError: boom"}, tmp_path)
+    assert C.compare_continuation(_produced(logits=base), _receiver(tmp_path, negative), tmp_path)[0] == FAIL
+    assert C.compare_continuation(p, _receiver(tmp_path, p.logits, (4, 5)), tmp_path)[0] == FAIL
+    assert C.compare_continuation(p, _receiver(tmp_path, p.logits[:1]), tmp_path)[0] == FAIL
+    status, msg = C.compare_continuation(p, {"error": "ValueError: boom"}, tmp_path)
     assert status == FAIL and "boom" in msg
 
 
@@ -133,17 +134,17 @@ def _verdict(status, conversions=(), reasons=()):
 
 
 def test_verdict_checks():
-    assert X.check_verdict_exact(_verdict("exact"))[0] == PASS
-    assert X.check_verdict_exact(_verdict("convertible", ["cast bf16->f32"]))[0] == FAIL
-    assert X.check_verdict_exact({"error": "x"})[0] == FAIL
-    assert X.check_accepted_with(_verdict("convertible", ["rechunk 3->256"]), "rechunk")[0] == PASS
-    assert X.check_accepted_with(_verdict("exact"), "rechunk")[0] == FAIL  # the conversion must be listed
-    assert X.check_accepted_with(_verdict("incompatible", reasons=["dtype: no"]), "cast")[0] == FAIL
-    assert X.check_rejected(_verdict("incompatible", reasons=["weights: fingerprints differ"]), "weights") == \
+    assert C.check_verdict_exact(_verdict("exact"))[0] == PASS
+    assert C.check_verdict_exact(_verdict("convertible", ["cast bf16->f32"]))[0] == FAIL
+    assert C.check_verdict_exact({"error": "x"})[0] == FAIL
+    assert C.check_accepted_with(_verdict("convertible", ["rechunk 3->256"]), "rechunk")[0] == PASS
+    assert C.check_accepted_with(_verdict("exact"), "rechunk")[0] == FAIL  # the conversion must be listed
+    assert C.check_accepted_with(_verdict("incompatible", reasons=["dtype: no"]), "cast")[0] == FAIL
+    assert C.check_rejected(_verdict("incompatible", reasons=["weights: fingerprints differ"]), "weights") == \
         (PASS, "rejected: weights: fingerprints differ")
-    assert X.check_rejected(_verdict("exact"))[0] == FAIL
-    assert X.check_rejected(_verdict("incompatible"))[0] == FAIL  # a rejection must say why
-    assert X.check_rejected(_verdict("incompatible", reasons=["config: fingerprints differ"]), "weights")[0] == FAIL
+    assert C.check_rejected(_verdict("exact"))[0] == FAIL
+    assert C.check_rejected(_verdict("incompatible"))[0] == FAIL  # a rejection must say why
+    assert C.check_rejected(_verdict("incompatible", reasons=["config: fingerprints differ"]), "weights")[0] == FAIL
 
 
 def _sliding_header(counts, window=8, kind="sliding_attention"):
@@ -154,39 +155,39 @@ def _sliding_header(counts, window=8, kind="sliding_attention"):
 
 def test_sliding_check():
     ok = _produced(_sliding_header((7, 20)), hf_tokens=[7, 20], windows=[8, 0])
-    assert X.check_sliding(ok) == (PASS, "sliding layers keep [7] of 20 tokens")
-    assert X.check_sliding(_produced()) is None  # no sliding layer: not applicable
+    assert C.check_sliding(ok) == (PASS, "sliding layers keep [7] of 20 tokens")
+    assert C.check_sliding(_produced()) is None  # no sliding layer: not applicable
     everything = _produced(_sliding_header((20, 20)), hf_tokens=[7, 20], windows=[8, 0])
-    assert X.check_sliding(everything)[0] == FAIL
+    assert C.check_sliding(everything)[0] == FAIL
     wrong_window = _produced(_sliding_header((7, 20), window=16), hf_tokens=[7, 20], windows=[8, 0])
-    assert "window 16" in X.check_sliding(wrong_window)[1]
+    assert "window 16" in C.check_sliding(wrong_window)[1]
     as_full = _produced(_sliding_header((7, 20), kind="full_attention", window=0), hf_tokens=[7, 20], windows=[8, 0])
-    assert X.check_sliding(as_full)[0] == FAIL
+    assert C.check_sliding(as_full)[0] == FAIL
 
 
 def test_alias_check():
     full = LayerSpec("full_attention", 2, 8, 8)
     shared = Header(arch=Architecture((full, LayerSpec("shared", source_layer=0))), token_count=5, dtype="f32")
     mapped = shared.replace(layer_map=(LayerMapEntry(1, 0, "alias"),))
-    assert X.check_alias(_produced(shared, expected_alias={1: 0}))[0] == PASS
-    assert X.check_alias(_produced(mapped, expected_alias={1: 0}))[1] == "layer map alias and shared layers: 1<-0"
-    assert X.check_alias(_produced(shared)) is None  # no KV sharing in the model: not applicable
+    assert C.check_alias(_produced(shared, expected_alias={1: 0}))[0] == PASS
+    assert C.check_alias(_produced(mapped, expected_alias={1: 0}))[1] == "layer map alias and shared layers: 1<-0"
+    assert C.check_alias(_produced(shared)) is None  # no KV sharing in the model: not applicable
     plain = Header(arch=Architecture((full, full)), token_count=5, dtype="f32")
-    assert X.check_alias(_produced(plain, expected_alias={1: 0}))[0] == FAIL
+    assert C.check_alias(_produced(plain, expected_alias={1: 0}))[0] == FAIL
     only_map = plain.replace(layer_map=(LayerMapEntry(1, 0, "alias"),))
-    assert X.check_alias(_produced(only_map, expected_alias={1: 0}))[0] == PASS
-    assert X.check_alias(_produced(only_map, expected_alias={1: 0, 0: 1}))[0] == FAIL  # a shared layer left out
+    assert C.check_alias(_produced(only_map, expected_alias={1: 0}))[0] == PASS
+    assert C.check_alias(_produced(only_map, expected_alias={1: 0, 0: 1}))[0] == FAIL  # a shared layer left out
     three = Architecture((full, full, LayerSpec("shared", source_layer=0)))
     wrong_source = Header(arch=three, token_count=5, dtype="f32")
-    assert X.check_alias(_produced(wrong_source, expected_alias={2: 1}))[0] == FAIL
+    assert C.check_alias(_produced(wrong_source, expected_alias={2: 1}))[0] == FAIL
     disagree = wrong_source.replace(layer_map=(LayerMapEntry(2, 1, "alias"),))
-    assert "source_layer" in X.check_alias(_produced(disagree, expected_alias={2: 1}))[1]
+    assert "source_layer" in C.check_alias(_produced(disagree, expected_alias={2: 1}))[1]
 
 
 def test_receiver_errors_fail_their_cells_not_the_suite(tmp_path):
     p = _produced(model_type="llama")
     res = {"llama/roundtrip": {"error": "RuntimeError: adapter broke", "verdict": _verdict("exact")["verdict"]}}
-    cells = X._cells(p, res, tmp_path)
+    cells = C.check_cells(p, res, tmp_path)
     assert cells["roundtrip"] == (FAIL, "RuntimeError: adapter broke")
     assert cells["verdict"][0] == PASS
     for check in ("soft", "other_model", "other_seed"):  # nothing reported for these jobs
@@ -195,12 +196,12 @@ def test_receiver_errors_fail_their_cells_not_the_suite(tmp_path):
 
 def test_receiver_process_failures_are_reported(tmp_path):
     (tmp_path / "jobs.json").write_text("{not json")
-    res, why = X._run_worker(tmp_path, timeout=60)
+    res, why = XR.run_worker(tmp_path, timeout=60)
     assert res == {} and "exited 1" in why and "JSONDecodeError" in why
     (tmp_path / "jobs.json").write_text(json.dumps({"jobs": []}))
-    res, why = X._run_worker(tmp_path, timeout=0.001)
+    res, why = XR.run_worker(tmp_path, timeout=0.001)
     assert res == {} and "timed out" in why
-    assert X.worker_main(["nonsense"]) == 2
+    assert XR.worker_main(["nonsense"]) == 2
 
 
 def test_unknown_model_type_is_a_usage_error(capsys):
@@ -215,7 +216,7 @@ def test_other_seed_fails_when_a_layer_map_lifts_the_weights_check(tmp_path):
                            "reasons": ["weights: fingerprints differ"]}}
     accepted = {"verdict": {"status": "convertible", "ok": True, "conversions": ["layer map: copy 2"], "reasons": []}}
     res = {"llama/other_seed": refused, "llama/other_seed_mapped": accepted, "llama/mapped": accepted}
-    cells = X._cells(p, res, tmp_path)
+    cells = C.check_cells(p, res, tmp_path)
     assert cells["other_seed"][0] == FAIL and cells["other_seed"][1].startswith("with a layer map: accepted")
     res["llama/other_seed_mapped"] = refused
-    assert X._cells(p, res, tmp_path)["other_seed"][0] == PASS
+    assert C.check_cells(p, res, tmp_path)["other_seed"][0] == PASS

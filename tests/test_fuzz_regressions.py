@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.conformance.runner import CommandImpl, Runner, default_impl_argv, load_vector_set
+from kvwire.conformance.drivers import CommandImpl, default_impl_argv
+from kvwire.conformance.runner import Runner
+from kvwire.conformance.vectors import load_vector_set
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = ROOT / "conformance" / "fuzz"

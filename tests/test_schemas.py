@@ -23,8 +23,9 @@ from kvwire.format.fbs import Architecture as fbArch
 from kvwire.format.fbs import Header as fbHeader
 from kvwire.format.fbs import LayerSpec as fbLayer
 from kvwire.format.fbs import RopeParams as fbRope
+from kvwire.format.architecture import _LAYER_SCALARS, _ROPE_SCALARS
 from kvwire.format.header import (
-    _LAYER_SCALARS, _ROPE_SCALARS, Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer,
+    Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer,
     RopeParams, TokenRange, build_header, default_layer_tokens, parse_header,
 )
 

@@ -236,7 +236,7 @@ def assert_every_read_path(data, want: SparseKVCache) -> None:
         for layer, comp, t0, _, hd in planned_sparse_chunks(h):
             if comp == "positions":
                 continue
-            index = int(r._table.head_base[int(r._table.offsets[layer]) + hd]) + t0 // h.chunk_tokens
+            index = int(r.grid.head_base[int(r.grid.offsets[layer]) + hd]) + t0 // h.chunk_tokens
             x = r.chunk(layer, comp, index)
             n = x.shape[1]
             assert x.shape[0] == 1
@@ -303,7 +303,7 @@ def test_sparse15_fp8_head_granularity_is_one_scale_per_chunk():
     with kvwire.open(data) as r:
         for i, rec in enumerate(r.records):
             if rec["reserved0"]:
-                c = r._info(i)
+                c = r.info(i)
                 assert c.shape[0] == 1 and rec["stored_length"] == 4 + c.token_count * c.shape[2]
         head = r.load()
     tensor = kvwire.load(kvwire.encode(s, codec=CodecSpec("fp8", scale_granularity="tensor")))

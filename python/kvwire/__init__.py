@@ -27,7 +27,8 @@ from .format.header import (
     Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
 from .format.codec_specs import CodecSpec
-from .cache.reader import Reader, load, open, probe
+from .cache.files import load, open
+from .cache.reader import Reader, probe
 from .format.crossmodel import PrefixChain, StateTensor
 from .model.compat import LocalModel, Verdict, check_compatible
 from .format.prefix import prefix_hashes
@@ -47,5 +48,5 @@ __all__ = [
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "SparseInfo", "SparseKVCache", "TokenRange", "TruncatedError",
     "LocalModel", "PrefixChain", "PrefixIndex", "StateTensor", "Verdict", "check_compatible", "covered_tokens",
     "prefix_hashes",
-    "Plan", "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "plan", "probe", "save", "stream",
+    "Plan", "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "plan", "probe", "rope", "save", "stream",
 ]

@@ -319,9 +319,9 @@ def host_chunk(reader, i: int, verify: bool, stored=None):
     import warnings
 
     if stored is None:
-        c, stored = reader._stored(i, verify)
+        c, stored = reader.stored(i, verify)
     else:
-        c = reader._info(i)
+        c = reader.info(i)
     data = stored if c.codec == "raw" else reader.decode_stored(i, c, stored)
     itemsize = reader.header.itemsize
     arr = np.frombuffer(data, _INT_OF_SIZE[itemsize], c.raw_length // itemsize).reshape(c.shape)
@@ -355,7 +355,7 @@ def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | N
         dst.append({c: stream.device_empty(spec.shape(c, r.count), dt) for c in spec.components})
     pending = []  # registered mode: (event, source view) kept alive until copied
     for j in range(len(recs)):
-        c, stored = reader._stored(j, verify)
+        c, stored = reader.stored(j, verify)
         a = c.token_start - h.layer_tokens[c.layer].start
         d = int_view(dst[c.layer][c.component])[:, a : a + c.token_count, :]
         if registered and c.codec == "raw":

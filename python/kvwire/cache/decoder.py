@@ -23,14 +23,16 @@ Two input styles, one per decoder:
 ``stop_at_end=True`` makes the end frame final: nothing after it is parsed as a
 file-form tail, and bytes fed after it are kept in ``unused_data`` (the start of the
 next container).
+
+The event types are in ``cache.events``; placements and the read-into style (what
+``read_targets`` / ``filled`` do) in ``cache.placement``, a mixin of ``StreamDecoder``.
+Both are imported here (``IOV_MAX`` too), so this module stays the one to import them from.
 """
 
 from __future__ import annotations
 
 import struct
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -48,57 +50,19 @@ from ..format.header import Header, parse_header
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS, MAX_INDEX_LENGTH
 from ..format.sparse import PositionOrder, decode_positions
 from ..format.state import state_tensor_of
-from .tensors import as_numpy, as_uint, view, writable
+from .events import ChunkEvent, EndEvent, HeaderEvent, Placed
+from .placement import (
+    IOV_MAX, REC_CHECKSUM, REC_CODEC, REC_COMP, REC_COUNT, REC_HEAD0, REC_HEADS, REC_LAYER, REC_OFFSET, REC_RAW,
+    REC_SPEC, REC_STORED, REC_T0, PlacementMixin, head_pieces,
+)
+from .tensors import view, writable
 
-# Fields of RECORD_STRUCT (RECORD_DTYPE order): offset, stored_length, raw_length, checksum, token_start,
-# token_count, layer, component, codec, flags, head_start, head_count, reserved0, reserved1
 # The fast path takes only v1.0's plain codes; anything else goes to check_record_fields.
 _PLAIN_COMPONENT = R.COMPONENTS["latent"]
 _PLAIN_CODEC = R.CODECS["zstd"]
-_OFFSET, _STORED, _RAW, _CHECKSUM, _T0, _COUNT, _LAYER, _COMP, _CODEC = range(9)
-_HEAD0, _HEADS = 10, 11
-_SPEC = 12  # reserved0: codec_spec with the codec_specs feature (spec/codecs.md)
-IOV_MAX = 1024  # most buffers one readv / recvmsg_into call accepts on Linux
-TAIL_READ = 64 << 10  # read size after the end frame while looking for a file-form tail
 
 
-@dataclass(frozen=True)
-class HeaderEvent:
-    header: Header
-
-
-@dataclass(frozen=True)
-class ChunkEvent:
-    layer: int
-    component: str
-    token_start: int
-    data: object  # [heads, tokens, head_dim], owned by the event (or the caller's placement)
-    head_start: int = 0  # sparse containers: the chunk's one head; data is then [1, tokens, dim] or positions
-
-
-class Placed(NamedTuple):
-    """A placement with its byte buffers: ``pieces`` are writable byte memoryviews whose
-    concatenation, in order, is where the chunk's raw bytes go (e.g. one per head of a
-    token slice of a [heads, T, dim] tensor); ``data`` is what the ``ChunkEvent`` carries."""
-
-    data: object
-    pieces: list
-
-
-def _head_pieces(x) -> list:
-    """Writable byte views of an array whose heads each have contiguous rows."""
-    u = as_uint(as_numpy(x))
-    if u.flags.c_contiguous:
-        return [memoryview(u).cast("B")]
-    return [memoryview(u[i]).cast("B") for i in range(u.shape[0])]
-
-
-@dataclass(frozen=True)
-class EndEvent:
-    chunk_count: int
-
-
-class StreamDecoder:
+class StreamDecoder(PlacementMixin):
     """Feed bytes (or fill its read targets), take events. One decoder per container.
 
     ``placement(layer, component, token_start, token_count)`` may return the array or
@@ -155,79 +119,6 @@ class StreamDecoder:
             if self._mode is not None:
                 raise RuntimeError(f"this decoder takes input by {self._mode}; do not mix input styles")
             self._mode = mode
-
-    def read_targets(self) -> list:
-        """Writable buffers that the next input bytes must fill, in order (at most IOV_MAX).
-
-        Their total is what the decoder needs next, never more; an empty list means the
-        container is complete (``stop_at_end``) or closed. After a transport call wrote
-        ``n`` bytes into them, call ``filled(n)``, then take ``events()``.
-        """
-        self._set_mode("into")
-        while True:
-            if self._state in ("done", "closed"):
-                return []
-            if self._state == "tail":
-                if len(self._scratch) < TAIL_READ:
-                    self._scratch = bytearray(TAIL_READ)
-                return [memoryview(self._scratch)]
-            if self._state == "body" and self._pieces is not None:
-                targets = self._remaining_pieces()
-                if len(targets) < IOV_MAX:  # read ahead: padding and the next frame always follow a body
-                    end = self._rec[_OFFSET] + self._rec[_STORED]
-                    ahead = next_frame_offset(end, self.header.alignment) + FRAME_SIZE - end
-                    if len(self._scratch) < ahead:
-                        self._scratch = bytearray(ahead)
-                    targets.append(memoryview(self._scratch)[:ahead])
-                return targets
-            need = self._needed() - self.received
-            if need > 0:
-                if len(self._scratch) < need:
-                    self._scratch = bytearray(need)
-                return [memoryview(self._scratch)[:need]]
-            ev = self._advance()  # the bytes for the current step are here: advance
-            if ev is not None:
-                self._pending.append(ev)
-
-    def filled(self, nbytes: int) -> None:
-        """``nbytes`` were written into the buffers of the last ``read_targets()``."""
-        if self._mode != "into":
-            raise RuntimeError("filled() without read_targets()")
-        if nbytes < 0:
-            raise ValueError("negative byte count")
-        if self._state == "body" and self._pieces is not None:
-            body = min(nbytes, self._rec[_STORED] - self._got)
-            self._got += body
-            self._base += body  # body bytes bypass _buf, which is empty here
-            nbytes -= body  # the rest went to the read-ahead at the start of the scratch buffer
-        if nbytes:
-            self._append(memoryview(self._scratch)[:nbytes])
-
-    def _needed(self) -> int:
-        """Absolute offset up to which the current step needs input."""
-        if self._state == "preamble":
-            return PREAMBLE_SIZE
-        if self._state == "header":
-            return PREAMBLE_SIZE + self._hlen
-        if self._state == "frame":
-            return next_frame_offset(self._pos, self.header.alignment) + FRAME_SIZE
-        if self._state == "body":
-            return self._rec[_OFFSET] + self._rec[_STORED]
-        raise AssertionError(self._state)
-
-    def _remaining_pieces(self) -> list:
-        if not self._got and len(self._pieces) < IOV_MAX:
-            return list(self._pieces)
-        out, skip = [], self._got
-        for p in self._pieces:
-            if skip >= p.nbytes:
-                skip -= p.nbytes
-                continue
-            out.append(p[skip:])
-            skip = 0
-            if len(out) == IOV_MAX:
-                break
-        return out
 
     @property
     def done(self) -> bool:
@@ -330,8 +221,8 @@ class StreamDecoder:
         rec = RECORD_STRUCT.unpack(body)
         if len(self._records) // 56 >= MAX_CHUNKS:
             raise LimitError("LIMIT_EXCEEDED", f"more than {MAX_CHUNKS} chunk frames", rule="KVW-LIM-1")
-        if rec[_OFFSET] != frame_at + FRAME_SIZE:
-            raise LayoutError("BAD_OFFSET", f"frame at {frame_at} records body offset {rec[_OFFSET]}, "
+        if rec[REC_OFFSET] != frame_at + FRAME_SIZE:
+            raise LayoutError("BAD_OFFSET", f"frame at {frame_at} records body offset {rec[REC_OFFSET]}, "
                               f"expected {frame_at + FRAME_SIZE}", rule="KVW-LAYOUT-1")
         slot = self._fast_slot(rec)
         if slot is None:  # the authoritative check names the rule (or accepts an unusual valid record)
@@ -339,7 +230,7 @@ class StreamDecoder:
         if self._filled[slot]:
             raise LayoutError("CHUNK_DUPLICATE", "two records describe the same chunk", rule="KVW-CHUNK-8")
         self._filled[slot] = 1
-        self._decoded += rec[_RAW]
+        self._decoded += rec[REC_RAW]
         if self._decoded > self.max_decoded_bytes:
             raise LimitError("DECODED_SIZE_LIMIT", f"stream decodes to more than {self.max_decoded_bytes} bytes",
                              rule="KVW-LIM-5")
@@ -351,12 +242,12 @@ class StreamDecoder:
         self._state = "body"
         self._dst, self._dst_pieces = self._place(rec)
         if self._mode == "into":
-            if self._dst is not None and rec[_CODEC] == 0:  # raw: straight into place
+            if self._dst is not None and rec[REC_CODEC] == 0:  # raw: straight into place
                 if self._dst_pieces is None:
-                    self._dst_pieces = _head_pieces(self._dst)
+                    self._dst_pieces = head_pieces(self._dst)
                 self._pieces = self._dst_pieces
             else:
-                self._pieces = [memoryview(bytearray(rec[_STORED]))]  # owned by the event (raw) or decoded (zstd)
+                self._pieces = [memoryview(bytearray(rec[REC_STORED]))]  # owned by the event (raw) or decoded (zstd)
             self._got = 0
         return False
 
@@ -379,43 +270,18 @@ class StreamDecoder:
             return None
         return base[layer][comp] + t0 // C - lo // C
 
-    def _place(self, rec) -> tuple:
-        """(data, pieces or None) of the placement for this record, or (None, None)."""
-        if self.placement is None:
-            return None, None
-        if self.header.sparse is not None:
-            raise ValueError("placement is not supported for sparse containers (chunks hold one head each)")
-        layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
-        t0, n = rec[_T0], rec[_COUNT]
-        dst = self.placement(layer, comp, t0, n)
-        if dst is None:
-            return None, None
-        if isinstance(dst, Placed):
-            if sum(p.nbytes for p in dst.pieces) != rec[_RAW]:
-                raise ValueError(f"placement pieces for layer {layer} {comp} tokens {t0}+{n} do not hold "
-                                 f"{rec[_RAW]} bytes")
-            return dst.data, list(dst.pieces)
-        x = as_numpy(dst)
-        shape = self.header.arch.layers[layer].shape(comp, n)
-        if tuple(x.shape) != shape or x.dtype != R.DTYPES[self.header.dtype][2]:
-            raise ValueError(f"placement for layer {layer} {comp} tokens {t0}+{n}: {tuple(x.shape)} {x.dtype}, "
-                             f"need {shape} {self.header.dtype}")
-        if not x.flags.writeable or (x.shape[0] and not x[0].flags.c_contiguous):  # heads share strides
-            raise ValueError("placement arrays must be writable with each head's rows contiguous")
-        return dst, None
-
     def _step_body(self):
         rec = self._rec
-        off, length = rec[_OFFSET], rec[_STORED]
+        off, length = rec[REC_OFFSET], rec[REC_STORED]
         if not self._have(off + length):
             return None
-        layer, comp = rec[_LAYER], R.COMPONENT_BY_CODE[rec[_COMP]]
-        codec = R.CODEC_BY_CODE[rec[_CODEC]]
-        shape = self.header.arch.layers[layer].shape(comp, rec[_COUNT])
-        shape = (rec[_HEADS], *shape[1:])  # all heads, or the one head of a sparse chunk
+        layer, comp = rec[REC_LAYER], R.COMPONENT_BY_CODE[rec[REC_COMP]]
+        codec = R.CODEC_BY_CODE[rec[REC_CODEC]]
+        shape = self.header.arch.layers[layer].shape(comp, rec[REC_COUNT])
+        shape = (rec[REC_HEADS], *shape[1:])  # all heads, or the one head of a sparse chunk
         dtype = self.header.dtype
         if comp == "state":  # one named state tensor in its own shape and dtype (spec/crossmodel.md)
-            dtype, shape = state_tensor_of(self.header, layer, rec[_HEAD0])
+            dtype, shape = state_tensor_of(self.header, layer, rec[REC_HEAD0])
         dst, pieces = self._dst, self._pieces
         if pieces is not None:  # received in place ("into" mode)
             stored = pieces[0] if len(pieces) == 1 else None
@@ -428,21 +294,21 @@ class StreamDecoder:
                 hasher = xxhash.xxh3_64()
                 for p in pieces if stored is None else (stored,):
                     hasher.update(p)
-                if hasher.intdigest() != rec[_CHECKSUM]:
+                if hasher.intdigest() != rec[REC_CHECKSUM]:
                     raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
             if codec != "raw":
-                raw = decode_chunk(self.header, codec, rec[_SPEC], stored, rec[_RAW], shape, layer, rec[_T0],
-                                   head=rec[_HEAD0] if self.header.sparse is not None else 0)
+                raw = decode_chunk(self.header, codec, rec[REC_SPEC], stored, rec[REC_RAW], shape, layer, rec[REC_T0],
+                                   head=rec[REC_HEAD0] if self.header.sparse is not None else 0)
             else:
                 raw = stored
             if comp == "positions":  # sparse: int64 positions, checked against the previous and next cells
-                data = decode_positions(raw, rec[_COUNT], self.header.first_position,
+                data = decode_positions(raw, rec[REC_COUNT], self.header.first_position,
                                         self.header.sparse.next_position)
-                self._order.add(layer, rec[_HEAD0], rec[_T0], data)
+                self._order.add(layer, rec[REC_HEAD0], rec[REC_T0], data)
             elif dst is not None:
                 if pieces is None or codec != "raw":  # not received in place: one copy into the placement
                     src, at = memoryview(raw).cast("B"), 0
-                    for p in self._dst_pieces or _head_pieces(dst):
+                    for p in self._dst_pieces or head_pieces(dst):
                         p[:] = src[at : at + p.nbytes]
                         at += p.nbytes
                     src.release()
@@ -456,7 +322,7 @@ class StreamDecoder:
         self._consume(off + length)
         self._pos = off + length
         self._state = "frame"
-        return ChunkEvent(layer, comp, rec[_T0], data, rec[_HEAD0])
+        return ChunkEvent(layer, comp, rec[REC_T0], data, rec[REC_HEAD0])
 
     def _end(self, body: bytes) -> None:
         count, digest = parse_end_frame(body)
@@ -492,3 +358,6 @@ class StreamDecoder:
         if parse_index(index).tobytes() != bytes(self._records):
             raise LayoutError("INDEX_MISMATCH", "index records differ from the chunk frames", rule="KVW-FILE-4")
         return "file"
+
+
+__all__ = ["ChunkEvent", "EndEvent", "HeaderEvent", "IOV_MAX", "Placed", "StreamDecoder"]

@@ -1,18 +1,24 @@
-"""Files: a container's buffers written with ``writev`` and renamed into place.
+"""Files: the I/O adapters around the sans-IO ``Encoder`` and ``Reader``.
 
-``save`` writes to a temporary file next to the target and renames it over the target,
-so a reader never sees a partial file (KVW-FILE-6); ``write_all`` overlaps checksumming
-with the kernel copy. The engine connectors write through the same ``atomic_write``.
+``save`` writes a container's buffers with ``writev`` to a temporary file next to the
+target and renames it over the target, so a reader never sees a partial file
+(KVW-FILE-6); ``write_all`` overlaps checksumming with the kernel copy, and the engine
+connectors write through the same ``atomic_write``. ``open`` and ``load`` map a file and
+read it through ``Reader``, which only ever sees a buffer.
 """
 
 from __future__ import annotations
 
+import builtins
+import mmap
 import os
 import queue
 import secrets
 import threading
 
+from ..format.limits import DEFAULT_MAX_DECODED_BYTES
 from .encoder import iter_buffers
+from .reader import Reader
 
 
 def write_all(fd: int, buffers, *, batch_bytes: int = 8 << 20) -> int:
@@ -109,3 +115,43 @@ def atomic_write(path, buffers, *, fsync: bool = False) -> int:
 def save(path, cache, *, fsync: bool = False, **opts) -> int:
     """Write ``cache`` to ``path`` in file form, atomically (``atomic_write``); returns the size."""
     return atomic_write(path, iter_buffers(cache, form="file", **opts), fsync=fsync)
+
+
+def _map_file(path) -> tuple[object, object]:
+    with builtins.open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return b"", None
+        # ACCESS_COPY: a private, writable mapping, so torch.frombuffer gets a writable
+        # buffer; writes to tensors never reach the file.
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def close():
+        try:
+            mm.close()
+        except BufferError:  # views still alive: the mapping goes when they do
+            pass
+
+    return mm, close
+
+
+def open(source, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Reader:  # noqa: A001
+    """A ``Reader`` over a path (memory-mapped) or a bytes-like object (used in place)."""
+    if isinstance(source, (str, os.PathLike)):
+        buf, closer = _map_file(source)
+        try:
+            return Reader(buf, max_decoded_bytes=max_decoded_bytes, _closer=closer)
+        except BaseException:
+            if closer:
+                closer()
+            raise
+    return Reader(source, max_decoded_bytes=max_decoded_bytes)
+
+
+def load(source, *, device=None, backend: str | None = None, verify: bool = True,
+         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+    """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``)."""
+    if backend is None:
+        backend = "torch" if device is not None else "numpy"
+    with open(source, max_decoded_bytes=max_decoded_bytes) as r:
+        return r.load(verify=verify, backend=backend, device=device)

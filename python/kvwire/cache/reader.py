@@ -9,9 +9,6 @@ view into the buffer; ``layer()`` and ``load`` assemble whole layers with one co
 
 from __future__ import annotations
 
-import builtins
-import mmap
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -75,8 +72,8 @@ class Reader:
         else:
             self.form = "stream"
             self.records, end_frame_at = self._walk_frames()
-        self._lookup = check_records(self.header, table, self.records)
-        self._table = table
+        self.slot_records = check_records(self.header, table, self.records)  # record index of each grid slot
+        self.grid = table  # the header's chunk grid (format.chunks.ChunkTable or format.sparse.SparseTable)
         last_end = check_offsets(self.records, hlen, self.header.alignment, self.size)
         if next_frame_offset(last_end, self.header.alignment) != end_frame_at:
             raise LayoutError("BAD_OFFSET", f"end frame at {end_frame_at}, layout rule gives "
@@ -128,32 +125,40 @@ class Reader:
     def chunk_count(self) -> int:
         return len(self.records)
 
+    @property
+    def buffer(self):
+        """The container's bytes: the mapped file, or the buffer given to ``open``."""
+        return self._buf
+
     def num_chunks(self, layer: int, component: str) -> int:
         """How many chunks (layer, component) has; 0 when the layer does not store it."""
-        return int(self._table.counts[layer, R.COMPONENTS[component]])
+        return int(self.grid.counts[layer, R.COMPONENTS[component]])
 
-    def _index(self, layer: int, component: str, index: int) -> int:
+    # -- record-level access (the package's own layers and engine connectors use these) --
+
+    def record_index(self, layer: int, component: str, index: int) -> int:
+        """Index in ``records`` of the ``index``-th chunk of (layer, component), in token order."""
         n = self.num_chunks(layer, component)
         if not 0 <= index < n:
             raise IndexError(f"layer {layer} {component} has {n} chunks, no chunk {index}")
-        return int(self._lookup[self._table.base[layer, R.COMPONENTS[component]] + index])
+        return int(self.slot_records[self.grid.base[layer, R.COMPONENTS[component]] + index])
 
     def record(self, layer: int, component: str, index: int = 0) -> np.void:
         """The chunk record of the ``index``-th chunk of (layer, component), in token order."""
-        return self.records[self._index(layer, component, index)]
+        return self.records[self.record_index(layer, component, index)]
 
     def chunk(self, layer: int, component: str = "k", index: int = 0, *, verify: bool = True,
               backend: str = "numpy"):
         """Chunk tensor [heads, tokens, head_dim]; a view into the buffer for raw chunks."""
-        return self._decode(self._index(layer, component, index), verify, backend)
+        return self.decode(self.record_index(layer, component, index), verify, backend)
 
     def iter_chunks(self, *, verify: bool = True, backend: str = "numpy"):
         """(layer, component, token_start, tensor) in container order."""
         for i in range(len(self.records)):
-            c = self._info(i)
-            yield c.layer, c.component, c.token_start, self._decode(i, verify, backend)
+            c = self.info(i)
+            yield c.layer, c.component, c.token_start, self.decode(i, verify, backend)
 
-    def _info(self, i: int) -> "ChunkInfo":
+    def info(self, i: int) -> "ChunkInfo":
         """Record ``i`` as plain Python values (built for all records on first use: numpy
         scalar access per field would cost more than a small chunk's copy)."""
         if self._infos is None:
@@ -166,8 +171,10 @@ class Reader:
                 for off, sl, rl, cs, ly, cp, ts, tc, cd, hc in zip(*cols)]
         return self._infos[i]
 
-    def _stored(self, i: int, verify: bool):
-        c = self._info(i)
+    def stored(self, i: int, verify: bool = True):
+        """(ChunkInfo, stored bytes) of record ``i``: a view of the container, its frame checked
+        against the index once (file form) and its checksum verified unless ``verify=False``."""
+        c = self.info(i)
         stored = memoryview(self._buf)[c.offset : c.offset + c.stored_length]
         if self._frame_checked is not None and not self._frame_checked[i]:
             marker, body = parse_frame(self._buf, c.offset - FRAME_SIZE)
@@ -180,14 +187,14 @@ class Reader:
                                 rule="KVW-CSUM-1")
         return c, stored
 
-    def _decode(self, i: int, verify: bool, backend: str, scratch: bool = False):
+    def decode(self, i: int, verify: bool = True, backend: str = "numpy", scratch: bool = False):
         """Chunk ``i`` as a tensor; ``scratch``: a decoded body may live in a buffer the next
         call reuses (for callers that copy it at once: no fresh allocation per chunk)."""
-        if self.header.sparse is not None and self._info(i).component == "positions":
+        if self.header.sparse is not None and self.info(i).component == "positions":
             from .sparse import read_positions  # int64 [tokens], checked (spec/sparse.md)
 
             return read_positions(self, i, verify)
-        c, stored = self._stored(i, verify)
+        c, stored = self.stored(i, verify)
         dtype, shape = self.header.dtype, c.shape
         if c.component == "state":  # a named state tensor in its own shape and dtype (spec/crossmodel.md)
             dtype, shape = state_tensor_of(self.header, c.layer, int(self.records["head_start"][i]))
@@ -237,16 +244,16 @@ class Reader:
             on_host = not is_torch(dst) or dst.device.type == "cpu"
             host = as_numpy(dst) if on_host else None
             for j in range(self.num_chunks(layer, comp)):
-                i = self._index(layer, comp, j)
-                a = self._info(i).token_start - r.start
+                i = self.record_index(layer, comp, j)
+                a = self.info(i).token_start - r.start
                 if on_host and self.header.codec_specs and self.records["reserved0"][i]:
-                    c, stored = self._stored(i, verify)  # a codec spec decodes straight into place
+                    c, stored = self.stored(i, verify)  # a codec spec decodes straight into place
                     self.decode_stored(i, c, stored, out=as_uint(host)[:, a : a + c.token_count, :])
                 elif on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
-                    src = self._decode(i, verify, "numpy", scratch=True)
+                    src = self.decode(i, verify, "numpy", scratch=True)
                     as_uint(host)[:, a : a + src.shape[1], :] = as_uint(src)
                 else:
-                    src = self._decode(i, verify, "torch")
+                    src = self.decode(i, verify, "torch")
                     dst[:, a : a + src.shape[1], :].copy_(src)
         return out
 
@@ -255,9 +262,9 @@ class Reader:
         out = {}
         if self.header.token_count:
             for index, t in enumerate(self.header.arch.layers[layer].state_tensors):
-                i = int(self._lookup[self._table.base[layer, STATE] + index])
-                x = self._decode(i, verify, backend)
-                if self._info(i).codec == "raw":  # a view of the container: layer()/load() own their memory
+                i = int(self.slot_records[self.grid.base[layer, STATE] + index])
+                x = self.decode(i, verify, backend)
+                if self.info(i).codec == "raw":  # a view of the container: layer()/load() own their memory
                     x = x.copy() if backend == "numpy" else x.clone()
                 out[t.name] = x
         return {"state": out}
@@ -329,7 +336,7 @@ class Reader:
         buf, a = self._buf, self.header.alignment
         end = PREAMBLE_SIZE + self._header_length
         for i in range(len(self.records)):
-            c, stored = self._stored(i, True)  # file form: also compares the frame with the index
+            c, stored = self.stored(i, True)  # file form: also compares the frame with the index
             check_zero(buf, end, c.offset - FRAME_SIZE)
             if c.codec != "raw":
                 self.decode_stored(i, c, stored)
@@ -357,43 +364,3 @@ class Reader:
         h = self.header
         return (f"<kvwire.Reader {self.form} form, {h.num_layers} layers, {h.token_count} tokens, {h.dtype}, "
                 f"{self.chunk_count} chunks, {self.size} bytes>")
-
-
-def _map_file(path) -> tuple[object, object]:
-    with builtins.open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return b"", None
-        # ACCESS_COPY: a private, writable mapping, so torch.frombuffer gets a writable
-        # buffer; writes to tensors never reach the file.
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-
-    def close():
-        try:
-            mm.close()
-        except BufferError:  # views still alive: the mapping goes when they do
-            pass
-
-    return mm, close
-
-
-def open(source, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Reader:  # noqa: A001
-    """A ``Reader`` over a path (memory-mapped) or a bytes-like object (used in place)."""
-    if isinstance(source, (str, os.PathLike)):
-        buf, closer = _map_file(source)
-        try:
-            return Reader(buf, max_decoded_bytes=max_decoded_bytes, _closer=closer)
-        except BaseException:
-            if closer:
-                closer()
-            raise
-    return Reader(source, max_decoded_bytes=max_decoded_bytes)
-
-
-def load(source, *, device=None, backend: str | None = None, verify: bool = True,
-         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> KVCache:
-    """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``)."""
-    if backend is None:
-        backend = "torch" if device is not None else "numpy"
-    with open(source, max_decoded_bytes=max_decoded_bytes) as r:
-        return r.load(verify=verify, backend=backend, device=device)

@@ -197,7 +197,7 @@ class SparseKVCache:
 
 def read_positions(reader, i: int, verify: bool = True) -> np.ndarray:
     """Decoded positions of record ``i`` (a POSITIONS chunk) of a ``Reader``."""
-    c, stored = reader._stored(i, verify)
+    c, stored = reader.stored(i, verify)
     h = reader.header
     raw = decode_body(c.codec, stored, c.raw_length)
     return decode_positions(raw, c.token_count, h.first_position, h.sparse.next_position)
@@ -215,7 +215,7 @@ def read_sparse_layer(reader, layer: int, *, verify: bool = True, backend: str =
     """One layer of a sparse container: per head ``{"positions", "k", "v"}`` (or latent).
     ``out`` supplies each head's destination tensors (``{"k": ..., "v": ...}``)."""
     h = reader.header
-    spec, t, C = h.arch.layers[layer], reader._table, h.chunk_tokens
+    spec, t, C = h.arch.layers[layer], reader.grid, h.chunk_tokens
     order = order or PositionOrder(C)
     shapes = _row_shapes(h, layer)
     if out is None:
@@ -228,17 +228,17 @@ def read_sparse_layer(reader, layer: int, *, verify: bool = True, backend: str =
         for comp in sparse_components(spec):
             dst = head[comp]
             for t0, n in t.head_chunks(layer, hd, C):
-                i = int(reader._lookup[t.slot(layer, R.COMPONENTS[comp], hd, t0, C)])
+                i = int(reader.slot_records[t.slot(layer, R.COMPONENTS[comp], hd, t0, C)])
                 if comp == "positions":
                     dst[t0 : t0 + n] = p = read_positions(reader, i, verify)
                     order.add(layer, hd, t0, p)
                 elif backend == "numpy" and h.codec_specs and reader.records["reserved0"][i]:
-                    c, stored = reader._stored(i, verify)  # a codec spec decodes straight into place
+                    c, stored = reader.stored(i, verify)  # a codec spec decodes straight into place
                     reader.decode_stored(i, c, stored, out=as_uint(dst)[None, t0 : t0 + n])
                 elif backend == "numpy":  # one copy (zstd through the reader's scratch buffer)
-                    as_uint(dst)[t0 : t0 + n] = as_uint(reader._decode(i, verify, "numpy", scratch=True)[0])
+                    as_uint(dst)[t0 : t0 + n] = as_uint(reader.decode(i, verify, "numpy", scratch=True)[0])
                 else:
-                    dst[t0 : t0 + n].copy_(reader._decode(i, verify, "torch")[0])
+                    dst[t0 : t0 + n].copy_(reader.decode(i, verify, "torch")[0])
         heads.append(head)
     return heads
 
@@ -246,14 +246,14 @@ def read_sparse_layer(reader, layer: int, *, verify: bool = True, backend: str =
 def check_positions(reader) -> None:
     """Every POSITIONS chunk decoded and the order of positions checked across cells
     (KVW-SPARSE-10/11) without decoding K/V again: ``Reader.validate`` has done that."""
-    h, t, order = reader.header, reader._table, PositionOrder(reader.header.chunk_tokens)
+    h, t, order = reader.header, reader.grid, PositionOrder(reader.header.chunk_tokens)
     pos = R.COMPONENTS["positions"]
     for layer, spec in enumerate(h.arch.layers):
         if "positions" not in sparse_components(spec):
             continue
         for hd in range(layer_heads(spec)):
             for t0, _ in t.head_chunks(layer, hd, h.chunk_tokens):
-                i = int(reader._lookup[t.slot(layer, pos, hd, t0, h.chunk_tokens)])
+                i = int(reader.slot_records[t.slot(layer, pos, hd, t0, h.chunk_tokens)])
                 order.add(layer, hd, t0, read_positions(reader, i))
 
 

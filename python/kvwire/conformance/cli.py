@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .runner import LEVELS, CommandImpl, Runner, default_impl_argv, find_vectors_root, load_vector_sets
+from .drivers import CommandImpl, default_impl_argv
+from .results import LEVELS
+from .runner import Runner
+from .vectors import find_vectors_root, load_vector_sets
 
 
 def _levels(text: str) -> tuple:
@@ -69,6 +72,7 @@ def cmd_impl(args) -> int:
 
 def cmd_crossmodel(args) -> int:
     from . import crossmodel as X
+    from .generation import MissingDependency
     from .report import case_line, junit_xml
 
     def progress(c):
@@ -78,7 +82,7 @@ def cmd_crossmodel(args) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     try:
         result = X.run_suite(models, workdir=args.keep, timeout=args.timeout, progress=progress)
-    except X.MissingDependency as exc:
+    except MissingDependency as exc:
         print(exc, file=sys.stderr)
         return 2
     except ValueError as exc:

@@ -20,9 +20,10 @@ from ..format import registry as R
 from ..cache.kvcache import KVCache
 from ..format.errors import FormatError
 from ..format.header import Producer
-from ..cache.reader import open as kv_open
+from ..cache.files import open as kv_open
 from ..version import __version__
 from ..cache.encoder import encode as kv_encode
+from . import digests as D
 from . import neutral as N
 
 PROTOCOL_VERSION = 1
@@ -46,10 +47,10 @@ def write_cache(cache, out_dir: str, **info) -> dict:
     """``decoded.json`` (with ``info``: form, chunk_count / segments) plus one raw file per tensor."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = []
-    for i, comp, x in N.cache_tensors(cache):
-        name = N.tensor_file_name(i, comp)
+    for i, comp, x in D.cache_tensors(cache):
+        name = D.tensor_file_name(i, comp)
         with open(os.path.join(out_dir, name), "wb") as f:
-            f.write(N.canonical_bytes(x))
+            f.write(D.canonical_bytes(x))
         tensors.append({"layer": i, "component": comp, "shape": list(x.shape), "file": name})
     doc = {"format": N.DECODED_FORMAT, "version": N.MODEL_JSON_VERSION, **info,
            "header": N.header_to_json(cache.header), "tensors": tensors}

@@ -6,14 +6,13 @@ writes, and the ``spec.json`` an ``encode`` command reads. Nothing here depends 
 FlatBuffers: a header is a plain JSON object of resolved values (defaults applied,
 per-layer specs expanded, registry names instead of codes).
 
-Tensor bytes are *canonical*: for every (layer, component) the layer stores, the
-little-endian row-major ``[heads, layer tokens, head_dim]`` tensor (all its chunks
-concatenated in token order). A twin lists their SHA-256 digests.
+This module holds the document formats and the header <-> JSON mapping; the canonical
+tensor bytes and their digests are ``digests``, the comparison of a reported decode
+output with a twin is ``compare``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import fields
 
@@ -21,19 +20,12 @@ from ..format import registry as R
 from ..format.header import (
     Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
+from .digests import tensor_digests
 
 TWIN_FORMAT = "kvwire-twin"
 DECODED_FORMAT = "kvwire-decoded"
 ENCODE_SPEC_FORMAT = "kvwire-encode-spec"
 MODEL_JSON_VERSION = 1
-
-# Fields a decode output MUST report (PROTOCOL.md); the others are compared when present.
-CORE_HEADER_FIELDS = ("format_major", "format_minor", "required_features", "optional_features", "dtype",
-                      "alignment", "chunk_tokens", "first_position", "token_count", "checksum_algorithm",
-                      "layer_tokens", "arch")
-CORE_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "window", "source_layer")
-# Fields a reader must ignore for a shared layer (KVW-ARCH-7): never compared.
-SHARED_IGNORED = ("window", "uses_rope", "rope", "kv_lora_rank", "qk_rope_head_dim")
 
 _BLOBS = ("config_fingerprint", "tokenizer_fingerprint", "weights_fingerprint", "compat_fingerprint")
 _XM_MODEL = ("framework", "framework_version", "layer_weights_fingerprints", "fingerprint_scheme")
@@ -60,14 +52,6 @@ def float_from_json(v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"not a number: {v!r}")
     return float(v)
-
-
-def _same_float(a, b) -> bool:
-    try:
-        x, y = float_from_json(a), float_from_json(b)
-    except (KeyError, TypeError, ValueError):
-        return False
-    return (math.isnan(x) and math.isnan(y)) or (x == y and math.copysign(1, x) == math.copysign(1, y))
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,148 +227,6 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
     )
 
 
-# ---------------------------------------------------------------------------------------
-# Comparison
-# ---------------------------------------------------------------------------------------
-
-def _eq(a, b) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, float) or isinstance(b, float) or isinstance(a, str) and a in ("NaN", "Infinity", "-Infinity"):
-        return _same_float(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
-def _short(v, n: int = 80) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def compare_header(expected: dict, actual, *, ignore=("producer",), require_all: bool = False) -> tuple[list, list]:
-    """(errors, notes) comparing a reported header with the expected one.
-
-    A field present in ``actual`` must equal the expected value. A missing core field is
-    an error; a missing optional field is a note (or an error with ``require_all``).
-    """
-    errors: list[str] = []
-    notes: list[str] = []
-    if not isinstance(actual, dict):
-        return [f"header is {type(actual).__name__}, not an object"], notes
-
-    def missing(path: str, core: bool) -> None:
-        (errors if core or require_all else notes).append(f"{path}: not reported")
-
-    for key, want in expected.items():
-        if key in ignore:
-            continue
-        core = key in CORE_HEADER_FIELDS
-        if key not in actual:
-            missing(key, core)
-            continue
-        got = actual[key]
-        if key == "arch":
-            _compare_arch(want, got, errors, notes, require_all)
-        elif not _eq(want, got):
-            errors.append(f"{key}: expected {_short(want)}, got {_short(got)}")
-    return errors, notes
-
-
-def _compare_arch(want: dict, got, errors: list, notes: list, require_all: bool) -> None:
-    if not isinstance(got, dict):
-        errors.append("arch: not an object")
-        return
-    for key in ("schema_version", "keys_post_rope", "rope"):
-        if key not in got:
-            (errors if require_all else notes).append(f"arch.{key}: not reported")
-        elif not _eq(want[key], got[key]):
-            errors.append(f"arch.{key}: expected {_short(want[key])}, got {_short(got[key])}")
-    layers = got.get("layers")
-    if not isinstance(layers, list) or len(layers) != len(want["layers"]):
-        errors.append(f"arch.layers: expected {len(want['layers'])} layers, got "
-                      f"{len(layers) if isinstance(layers, list) else _short(layers)}")
-        return
-    for i, (w, g) in enumerate(zip(want["layers"], layers)):
-        if not isinstance(g, dict):
-            errors.append(f"arch.layers[{i}]: not an object")
-            continue
-        for key, value in w.items():
-            if w["kind"] == "shared" and key in SHARED_IGNORED:
-                continue
-            if key not in g:
-                (errors if key in CORE_LAYER_FIELDS or require_all else notes).append(
-                    f"arch.layers[{i}].{key}: not reported")
-            elif not _eq(value, g[key]):
-                errors.append(f"arch.layers[{i}].{key}: expected {_short(value)}, got {_short(g[key])}")
-
-
-# ---------------------------------------------------------------------------------------
-# Tensors
-# ---------------------------------------------------------------------------------------
-
-def stored_components(header_json: dict):
-    """(layer, component, shape) of every tensor a decoder reports, in canonical order."""
-    for i, (spec, r) in enumerate(zip(header_json["arch"]["layers"], header_json["layer_tokens"])):
-        if spec["kind"] == "state":  # one tensor per state tensor, if the cache has tokens (spec/crossmodel.md)
-            for t in spec["state_tensors"] if r["count"] else ():
-                yield i, f"state.{t['name']}", list(t["shape"])
-            continue
-        for comp in R.KIND_COMPONENTS[spec["kind"]]:
-            heads, dim = {
-                "k": (spec["num_kv_heads"], spec["head_dim_k"]),
-                "v": (spec["num_kv_heads"], spec["head_dim_v"]),
-                "latent": (1, spec["head_dim_k"]),
-            }[comp]
-            yield i, comp, [heads, r["count"], dim]
-
-
-def tensor_file_name(layer: int, component: str) -> str:
-    return f"layer{layer}_{component}.bin"
-
-
-def sha256(data) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def canonical_bytes(array) -> bytes:
-    """Canonical bytes of a host array [heads, tokens, head_dim] (C order, little-endian host)."""
-    from ..cache.tensors import as_numpy
-
-    import numpy as np
-
-    return np.ascontiguousarray(as_numpy(array)).tobytes()
-
-
-def cache_tensors(cache):
-    """(layer, component, array) of every canonical tensor of a cache. A sparse cache
-    (spec/sparse.md) has, per (layer, component), its heads' rows concatenated in head order
-    ([retained tokens of all heads, dim]) and POSITIONS as int64 little-endian."""
-    if getattr(cache, "is_sparse", False):
-        yield from cache.canonical_tensors()
-        return
-    for i, layer in enumerate(cache.layers):
-        for comp in cache.header.arch.layers[i].components:
-            if comp == "state":  # "state.<name>" per state tensor, in declaration order (spec/crossmodel.md)
-                for t in cache.header.arch.layers[i].state_tensors:
-                    if t.name in layer["state"]:
-                        yield i, f"state.{t.name}", layer["state"][t.name]
-                continue
-            yield i, comp, layer[comp]
-
-
-def tensor_digests(cache) -> list[dict]:
-    """The twin's ``tensors`` list for a ``KVCache`` (or ``SparseKVCache``)."""
-    out = []
-    for i, comp, x in cache_tensors(cache):
-        data = canonical_bytes(x)
-        out.append({"layer": i, "component": comp, "shape": list(x.shape), "nbytes": len(data),
-                    "sha256": sha256(data)})
-    return out
-
-
 def make_twin(cache, **info) -> dict:
     """The JSON twin of a decoded cache; ``info``: form, chunk_count (or segments)."""
     return {
@@ -394,29 +236,3 @@ def make_twin(cache, **info) -> dict:
         "header": header_to_json(cache.header),
         "tensors": tensor_digests(cache),
     }
-
-
-def compare_tensors(expected: list, actual: list) -> list[str]:
-    """Errors comparing reported tensors ({layer, component, shape, sha256}) with the twin's."""
-    errors = []
-    want = {(t["layer"], t["component"]): t for t in expected}
-    got: dict = {}
-    for t in actual:
-        key = (t.get("layer"), t.get("component"))
-        if key in got:
-            errors.append(f"tensor layer {key[0]} {key[1]}: reported twice")
-        got[key] = t
-    for key in sorted(set(got) - set(want), key=str):
-        errors.append(f"tensor layer {key[0]} {key[1]}: not stored by this container")
-    for key, t in want.items():
-        g = got.get(key)
-        name = f"tensor layer {key[0]} {key[1]}"
-        if g is None:
-            errors.append(f"{name}: missing")
-            continue
-        if list(g.get("shape", [])) != list(t["shape"]):
-            errors.append(f"{name}: shape {g.get('shape')}, expected {t['shape']}")
-        elif g.get("sha256") != t["sha256"]:
-            errors.append(f"{name}: bytes differ (sha256 {str(g.get('sha256'))[:16]}..., expected "
-                          f"{t['sha256'][:16]}...; {g.get('nbytes')} bytes, expected {t['nbytes']})")
-    return errors

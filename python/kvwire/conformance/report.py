@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .runner import ERROR, FAIL, LEVELS, PASS, REFERENCE, SKIP, WARN, CaseResult, RunResult
+from .results import ERROR, FAIL, LEVELS, PASS, REFERENCE, SKIP, WARN, CaseResult, RunResult
 
 _TAG = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", ERROR: "ERROR", SKIP: "SKIP"}
 

@@ -5,9 +5,11 @@ spec's sections:
 
 - ``container``: preamble, chunk frames, end frame, file-form index and trailer (3-4, 9-12);
 - ``flatbuf``: the verifying FlatBuffers reader every header byte goes through (5, 17);
-- ``header``, ``architecture``: the header and the architecture schema (5-6), and the
-  header parts of the companion documents: ``codec_specs`` (spec/codecs.md),
-  ``sparse`` (spec/sparse.md), ``crossmodel`` and ``state`` (spec/crossmodel.md);
+- ``header``: the header table, its rules, building and parsing (5); ``engine_layout``:
+  its engine layout table (5.9); ``architecture``: the architecture schema (6);
+  ``fbfields``: the FlatBuffers field helpers these share; and the header parts of the
+  companion documents: ``codec_specs`` (spec/codecs.md), ``sparse`` (spec/sparse.md),
+  ``crossmodel`` and ``state`` (spec/crossmodel.md);
 - ``layermap``: the layer map (7); ``prefix``: the prefix hash chain (KVW-PREFIX);
 - ``chunks``: the chunk grid, the canonical chunk plan and record checks (8);
 - ``registry``, ``limits``, ``errors``: the registries, limits and error codes (15-18);

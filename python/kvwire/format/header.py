@@ -6,12 +6,15 @@ one into FlatBuffer bytes with the generated builders; ``parse_header`` goes the
 way through the verifying reader of ``flatbuf.py`` and then ``check_header`` applies the
 semantic rules. The writer runs ``check_header`` too, so it cannot emit what a reader
 would reject.
+
+This module holds the header table (5.4-5.8), its header-wide rules and the building and
+parsing that orchestrate the parts with tables of their own: ``architecture`` (6),
+``engine_layout`` (5.9), ``codec_specs``, ``sparse`` and ``crossmodel`` (companion specs).
 """
 
 from __future__ import annotations
 
 import re
-import struct
 from dataclasses import dataclass, field, fields, replace
 
 import flatbuffers
@@ -19,126 +22,26 @@ import flatbuffers
 from . import limits as L
 from . import registry as R
 from .errors import FeatureError, LimitError, SchemaError, VersionError
-from .fbs import Architecture as fbArch
-from .fbs import EngineLayout as fbEngine
 from .fbs import Header as fbHeader
 from .fbs import KeyValue as fbKV
 from .fbs import LayerMapEntry as fbMap
-from .fbs import LayerSpec as fbLayer
 from .fbs import ModelIdentity as fbModel
 from .fbs import Producer as fbProducer
-from .fbs import RopeParams as fbRope
 from .fbs import TokenRange as fbRange
+# "X as X": re-exported, so that every part of a Header can be imported from this module
+from .architecture import Architecture, build_architecture, check_architecture, read_architecture
+from .architecture import LayerSpec as LayerSpec, RopeParams as RopeParams
+from .engine_layout import EngineLayout, build_engine_layout, check_engine_layout, read_engine_layout
+from .engine_layout import MAX_LAYOUT_DIMS as MAX_LAYOUT_DIMS
+from .fbfields import SCALAR, enum_name, read_structs
 from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
-from .flatbuf import Buffer, Table
+from .flatbuf import Buffer
 from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
 from . import crossmodel as XM
-from .crossmodel import PrefixChain, StateTensor
+from .crossmodel import PrefixChain
 from ..version import __version__
 
 HEADER_IDENTIFIER = b"KVWH"
-
-_S = {c: struct.Struct("<" + c) for c in "BHIiQd?"}
-_SLOT = {
-    "B": "PrependUint8Slot",
-    "H": "PrependUint16Slot",
-    "I": "PrependUint32Slot",
-    "i": "PrependInt32Slot",
-    "Q": "PrependUint64Slot",
-    "d": "PrependFloat64Slot",
-    "?": "PrependBoolSlot",
-}
-
-
-@dataclass(frozen=True)
-class RopeParams:
-    """Rotary embedding parameters, enough to re-rotate cached keys (spec 6.4)."""
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    rotary_dim: int = 0
-    interleaved: bool = False
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    mrope_section: tuple[int, ...] = ()
-    seq_len_at_encode: int = 0
-    truncate: bool = True  # yarn: correction range rounded to whole dimensions
-
-
-# (attribute, field id, struct code, enum registry or None); defaults are the dataclass's,
-# which equal the schema's (tests/test_schemas.py checks against the generated accessors).
-_ROPE_SCALARS = [
-    ("rope_type", 0, "B", R.ROPE_TYPES), ("theta", 1, "d", None), ("rotary_dim", 2, "I", None),
-    ("interleaved", 3, "?", None), ("factor", 4, "d", None), ("original_max_position_embeddings", 5, "I", None),
-    ("low_freq_factor", 6, "d", None), ("high_freq_factor", 7, "d", None), ("beta_fast", 8, "d", None),
-    ("beta_slow", 9, "d", None), ("attention_factor", 10, "d", None), ("mscale", 11, "d", None),
-    ("mscale_all_dim", 12, "d", None), ("seq_len_at_encode", 16, "Q", None), ("truncate", 17, "?", None),
-]
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Cache geometry of one layer (spec 6.2). Dimensions are per component."""
-
-    kind: str = "full_attention"
-    num_kv_heads: int = 0
-    head_dim_k: int = 0
-    head_dim_v: int = 0
-    window: int = 0
-    source_layer: int = -1
-    uses_rope: bool = True
-    rope: RopeParams | None = None
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    state_tensors: tuple[StateTensor, ...] = ()  # kind "state" only (spec/crossmodel.md)
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        return R.KIND_COMPONENTS[self.kind]
-
-    def shape(self, component: str, tokens: int) -> tuple[int, int, int]:
-        """Canonical body shape [heads, tokens, head_dim] of one component (KVW-CHUNK-4)."""
-        if component == "k":
-            return (self.num_kv_heads, tokens, self.head_dim_k)
-        if component == "v":
-            return (self.num_kv_heads, tokens, self.head_dim_v)
-        return (1, tokens, self.head_dim_k)
-
-
-_LAYER_SCALARS = [
-    ("kind", 0, "B", R.LAYER_KINDS), ("num_kv_heads", 1, "I", None), ("head_dim_k", 2, "I", None),
-    ("head_dim_v", 3, "I", None), ("window", 4, "I", None), ("source_layer", 5, "i", None),
-    ("uses_rope", 6, "?", None), ("kv_lora_rank", 8, "I", None), ("qk_rope_head_dim", 9, "I", None),
-]
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """Per-layer cache geometry of the producing model; ``layers[i]`` is layer i's spec."""
-
-    layers: tuple[LayerSpec, ...]
-    rope: RopeParams | None = None
-    keys_post_rope: bool = True
-    schema_version: int = 1
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @classmethod
-    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, head_dim_v: int | None = None, **kw):
-        """A model whose every layer is full attention with the same shape."""
-        spec = LayerSpec("full_attention", num_kv_heads, head_dim, head_dim if head_dim_v is None else head_dim_v)
-        return cls((spec,) * num_layers, **kw)
 
 
 @dataclass(frozen=True)
@@ -177,27 +80,6 @@ class LayerMapEntry:
     receiver_layer: int
     transmitted_layer: int
     op: str = "copy"
-
-
-MAX_LAYOUT_DIMS = 64  # EngineLayout.stride_order entries (spec section 17)
-_AXES = re.compile(r"^[A-Z][A-Z0-9]*(\*[A-Z][A-Z0-9]*)*(,[A-Z][A-Z0-9]*(\*[A-Z][A-Z0-9]*)*)*$")
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Which engine buffer layout a cache was gathered from (spec 5.9): diagnostics only.
-
-    ``axes`` names the engine tensor's dimensions in its shape order, comma-separated,
-    with merged axes joined by ``*`` (``"KV,B,N,H,C"``, ``"KV,L,T,H*C"``); ``stride_order``
-    lists the dimensions from outermost to innermost in memory (empty: shape order).
-    Readers never change decoding because of it (KVW-HDR-18).
-    """
-
-    name: str = ""
-    axes: str = ""
-    stride_order: tuple[int, ...] = ()
-    block_size: int = 0
-    engine: str = ""
 
 
 @dataclass(frozen=True)
@@ -285,7 +167,7 @@ def check_header(h: Header) -> None:
     if h.token_count > L.MAX_TOKENS or h.first_position + h.token_count >= 1 << 63:
         _fail("LIMIT_EXCEEDED", "KVW-LIM-3", f"token_count {h.token_count} from position {h.first_position} "
               "exceeds the limits", LimitError)
-    _check_arch(h.arch, h.itemsize, h.chunk_tokens, h.required_features)
+    check_architecture(h.arch, h.itemsize, h.chunk_tokens, h.required_features)
     _check_layer_tokens(h)
     check_sparse(h)
     XM.check_state_layers(h)
@@ -294,62 +176,6 @@ def check_header(h: Header) -> None:
     XM.check_fingerprints(h)
     _check_metadata(h.metadata)
     check_codec_specs(h)
-
-
-def _check_spec(s: LayerSpec, i: int, itemsize: int, chunk_tokens: int, features: int = 0) -> None:
-    """Rules of one LayerSpec that do not depend on its position (``i`` names it in messages)."""
-    if s.kind not in R.LAYER_KINDS or not R.enabled_codes("layer_kind", features)[R.LAYER_KINDS[s.kind]]:
-        _fail("ENUM_OUT_OF_RANGE", "KVW-HDR-10", f"layer {i} kind {s.kind!r} (a kind registered by a feature "
-              "needs its required bit, KVW-EVOL-9)")
-    XM.check_state_spec(s, i)
-    if s.kind == "state":
-        return
-    if s.kind == "shared":
-        if s.num_kv_heads or s.head_dim_k or s.head_dim_v or s.window or s.kv_lora_rank or s.qk_rope_head_dim:
-            _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} declares dimensions or a window; its source "
-                  "layer defines them")
-        return
-    if s.source_layer != -1:
-        _fail("ARCH_INVALID", "KVW-ARCH-4", f"layer {i} is not shared but has source_layer {s.source_layer}")
-    if s.kind == "mla_latent":
-        if not (s.num_kv_heads == 1 and s.head_dim_v == 0 and s.kv_lora_rank >= 1
-                and s.head_dim_k == s.kv_lora_rank + s.qk_rope_head_dim):
-            _fail("ARCH_INVALID", "KVW-ARCH-5", f"mla_latent layer {i}: need num_kv_heads 1, head_dim_v 0, "
-                  "head_dim_k = kv_lora_rank + qk_rope_head_dim")
-    else:
-        if s.head_dim_v < 1:
-            _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} head_dim_v is 0")
-        if s.kv_lora_rank or s.qk_rope_head_dim:
-            _fail("ARCH_INVALID", "KVW-ARCH-5", f"layer {i} ({s.kind}) sets MLA fields kv_lora_rank/qk_rope_head_dim")
-    if not (1 <= s.num_kv_heads <= L.MAX_HEADS and 1 <= s.head_dim_k <= L.MAX_HEAD_DIM
-            and s.head_dim_v <= L.MAX_HEAD_DIM):
-        _fail("ARCH_INVALID", "KVW-ARCH-2", f"layer {i} heads {s.num_kv_heads} / head dims "
-              f"{s.head_dim_k},{s.head_dim_v} outside limits")
-    if (s.window >= 1) != (s.kind in ("sliding_attention", "chunked_attention")):
-        _fail("ARCH_INVALID", "KVW-ARCH-6", f"layer {i} ({s.kind}) window {s.window}: sliding/chunked layers "
-              "need one, others must not")
-    for comp in s.components:
-        heads, _, dim = s.shape(comp, 1)
-        if heads * dim * chunk_tokens * itemsize > L.MAX_CHUNK_RAW_LENGTH:
-            _fail("LIMIT_EXCEEDED", "KVW-LIM-4", f"layer {i} {comp} chunk body would exceed "
-                  f"{L.MAX_CHUNK_RAW_LENGTH} bytes", LimitError)
-
-
-def _check_arch(arch: Architecture, itemsize: int, chunk_tokens: int, features: int = 0) -> None:
-    n = arch.num_layers
-    if not 1 <= n <= L.MAX_LAYERS:
-        _fail("LIMIT_EXCEEDED" if n else "ARCH_INVALID", "KVW-ARCH-1", f"num_layers {n} outside [1, {L.MAX_LAYERS}]",
-              LimitError if n else SchemaError)
-    checked = set()  # by identity: decoded layers share their LayerSpec objects
-    for i, s in enumerate(arch.layers):
-        if id(s) not in checked:
-            checked.add(id(s))
-            _check_spec(s, i, itemsize, chunk_tokens, features)
-        if s.kind == "shared":
-            src = s.source_layer
-            if not (0 <= src < i and arch.layers[src].kind != "shared"):
-                _fail("ARCH_INVALID", "KVW-ARCH-4", f"shared layer {i} has source_layer {src}: must be an "
-                      "earlier, non-shared layer")
 
 
 def _check_layer_tokens(h: Header) -> None:
@@ -392,86 +218,6 @@ def _check_metadata(md: dict) -> None:
                   f"{L.MAX_BYTES_LENGTH}")
 
 
-# ---------------------------------------------------------------------------------------
-# FlatBuffer encoding
-# ---------------------------------------------------------------------------------------
-
-def _add_scalars(b: flatbuffers.Builder, obj, spec) -> None:
-    for attr, fid, code, enum in spec:
-        value = getattr(obj, attr)
-        default = type(obj).__dataclass_fields__[attr].default
-        if value == default:
-            continue
-        getattr(b, _SLOT[code])(fid, enum[value] if enum else value, None)
-
-
-def _vec(b: flatbuffers.Builder, elem: str, values) -> int:
-    """A vector of one scalar type, written through the builder's numpy fast path."""
-    import numpy as np
-
-    return b.CreateNumpyVector(np.asarray(values, dtype="<" + elem))
-
-
-def _build_rope(b, rope: RopeParams) -> int:
-    vecs = {fid: _vec(b, code, getattr(rope, attr)) for attr, fid, code in
-            (("short_factor", 13, "f8"), ("long_factor", 14, "f8"), ("mrope_section", 15, "u4"))
-            if getattr(rope, attr)}
-    fbRope.Start(b)
-    _add_scalars(b, rope, _ROPE_SCALARS)
-    for fid, off in vecs.items():
-        b.PrependUOffsetTRelativeSlot(fid, off, 0)
-    return fbRope.End(b)
-
-
-def _build_arch(b, arch: Architecture) -> int:
-    distinct: dict[LayerSpec, int] = {}
-    index = [distinct.setdefault(s, len(distinct)) for s in arch.layers]
-    rope_cache: dict[RopeParams, int] = {}
-
-    def rope_off(r):
-        if r not in rope_cache:
-            rope_cache[r] = _build_rope(b, r)
-        return rope_cache[r]
-
-    spec_offs = []
-    for s in distinct:
-        r = rope_off(s.rope) if s.rope is not None else None
-        state = XM.build_state_tensors(b, s.state_tensors) if s.state_tensors else None
-        fbLayer.Start(b)
-        _add_scalars(b, s, _LAYER_SCALARS)
-        if r is not None:
-            fbLayer.AddRope(b, r)
-        if state is not None:
-            fbLayer.AddStateTensors(b, state)
-        spec_offs.append(fbLayer.End(b))
-    fbArch.StartLayerSpecsVector(b, len(spec_offs))
-    for off in reversed(spec_offs):
-        b.PrependUOffsetTRelative(off)
-    specs_vec = b.EndVector()
-    index_vec = _vec(b, "u2", index)
-    arch_rope = rope_off(arch.rope) if arch.rope is not None else None
-    fbArch.Start(b)
-    if arch.schema_version != 1:
-        fbArch.AddSchemaVersion(b, arch.schema_version)
-    fbArch.AddNumLayers(b, arch.num_layers)
-    fbArch.AddLayerSpecs(b, specs_vec)
-    fbArch.AddLayerSpecIndex(b, index_vec)
-    if arch_rope is not None:
-        fbArch.AddRope(b, arch_rope)
-    if not arch.keys_post_rope:
-        fbArch.AddKeysPostRope(b, False)
-    return fbArch.End(b)
-
-
-def _build_strings(b, obj, names) -> dict[str, int]:
-    out = {}
-    for name in names:
-        value = getattr(obj, name)
-        if value:
-            out[name] = b.CreateString(value) if isinstance(value, str) else b.CreateByteVector(bytes(value))
-    return out
-
-
 def check_writable(h: Header) -> None:
     """Rules only writers are bound by: what readers tolerate but no writer may emit."""
     check_header(h)
@@ -499,45 +245,24 @@ def check_writable(h: Header) -> None:
     XM.check_writable(h)
 
 
-def check_engine_layout(e: EngineLayout) -> None:
-    """Writer rules of the EngineLayout table (KVW-HDR-7, KVW-HDR-19, KVW-LIM-1)."""
-    for s in (e.name, e.axes, e.engine):
-        if not isinstance(s, str) or "\0" in s or len(s.encode("utf-8")) > L.MAX_STRING_LENGTH:
-            raise ValueError(f"engine_layout string {str(s)[:40]!r}: no NUL, at most {L.MAX_STRING_LENGTH} UTF-8 "
-                             "bytes (KVW-HDR-7)")
-    if not 0 <= e.block_size < 1 << 32:
-        raise ValueError(f"engine_layout.block_size {e.block_size} is not a u32")
-    if e.axes and not _AXES.fullmatch(e.axes):
-        raise ValueError(f"engine_layout.axes {e.axes!r}: comma-separated dimensions of '*'-joined upper-case "
-                         "axis names, e.g. 'KV,B,N,H,C' (KVW-HDR-19)")
-    order = tuple(e.stride_order)
-    if len(order) > MAX_LAYOUT_DIMS:
-        raise ValueError(f"engine_layout.stride_order has {len(order)} entries, limit {MAX_LAYOUT_DIMS} (KVW-LIM-1)")
-    if order:
-        ndims = len(e.axes.split(",")) if e.axes else -1
-        if sorted(order) != list(range(ndims)):
-            raise ValueError(f"engine_layout.stride_order {order} is not a permutation of the {max(ndims, 0)} "
-                             "dimensions of axes (KVW-HDR-19)")
+# ---------------------------------------------------------------------------------------
+# FlatBuffer encoding
+# ---------------------------------------------------------------------------------------
 
-
-def _build_engine_layout(b, e: EngineLayout) -> int:
-    strings = {fid: b.CreateString(v) for fid, v in ((0, e.name), (1, e.axes), (4, e.engine)) if v}
-    order = _vec(b, "u1", e.stride_order) if e.stride_order else None
-    fbEngine.Start(b)
-    for fid, off in strings.items():
-        b.PrependUOffsetTRelativeSlot(fid, off, 0)
-    if order is not None:
-        fbEngine.AddStrideOrder(b, order)
-    if e.block_size:
-        fbEngine.AddBlockSize(b, e.block_size)
-    return fbEngine.End(b)
+def _build_strings(b, obj, names) -> dict[str, int]:
+    out = {}
+    for name in names:
+        value = getattr(obj, name)
+        if value:
+            out[name] = b.CreateString(value) if isinstance(value, str) else b.CreateByteVector(bytes(value))
+    return out
 
 
 def build_header(h: Header) -> bytes:
     """Serialize a header to FlatBuffer bytes (file identifier "KVWH")."""
     check_writable(h)
     b = flatbuffers.Builder(1024)
-    arch = _build_arch(b, h.arch)
+    arch = build_architecture(b, h.arch)
     ps = _build_strings(b, h.producer, ("library", "version"))
     fbProducer.Start(b)
     if "library" in ps:
@@ -580,7 +305,7 @@ def build_header(h: Header) -> bytes:
         for off in reversed(kvs):
             b.PrependUOffsetTRelative(off)
         metadata = b.EndVector()
-    engine = _build_engine_layout(b, h.engine_layout) if h.engine_layout is not None else None
+    engine = build_engine_layout(b, h.engine_layout) if h.engine_layout is not None else None
     sparse = build_sparse(b, h.sparse) if h.sparse is not None else None
     codec_specs = build_codec_specs(b, h.codec_specs)
     prefix = XM.build_prefix(b, h.prefix) if h.prefix is not None else None
@@ -621,99 +346,11 @@ def build_header(h: Header) -> bytes:
 # FlatBuffer decoding (through the verifying reader)
 # ---------------------------------------------------------------------------------------
 
-def _enum(registry_by_code: dict, code: int, what: str) -> str:
-    try:
-        return registry_by_code[code]
-    except KeyError:
-        raise SchemaError("ENUM_OUT_OF_RANGE", f"{what} code {code} is not in the registry", rule="KVW-HDR-10") from None
-
-
-_REVERSE = {id(reg): {v: k for k, v in reg.items()} for reg in (R.ROPE_TYPES, R.LAYER_KINDS)}
-
-
-def _read_scalars(t: Table, cls, spec) -> dict:
-    out = {}
-    fields_ = cls.__dataclass_fields__
-    for attr, fid, code, enum in spec:
-        default = fields_[attr].default
-        if code == "?":
-            out[attr] = t.boolean(fid, default)
-        elif enum is None:
-            out[attr] = t.scalar(fid, _S[code], default)
-        else:
-            out[attr] = _enum(_REVERSE[id(enum)], t.scalar(fid, _S[code], enum[default]), attr)
-    return out
-
-
-def _read_numbers(t: Table, fid: int, code: str, size: int, max_count: int) -> tuple:
-    v = t.vector(fid, size, size, max_count)
-    if v is None:
-        return ()
-    start, count = v
-    return struct.unpack_from(f"<{count}{code}", t.buf.data, start)
-
-
-def _read_rope(t: Table | None) -> RopeParams | None:
-    if t is None:
-        return None
-    kw = _read_scalars(t, RopeParams, _ROPE_SCALARS)
-    kw["short_factor"] = _read_numbers(t, 13, "d", 8, L.MAX_ROPE_FACTORS)
-    kw["long_factor"] = _read_numbers(t, 14, "d", 8, L.MAX_ROPE_FACTORS)
-    kw["mrope_section"] = _read_numbers(t, 15, "I", 4, L.MAX_ROPE_FACTORS)
-    return RopeParams(**kw)
-
-
-def _read_arch(t: Table) -> Architecture:
-    num_layers = t.scalar(1, _S["I"], 0)
-    if not 1 <= num_layers <= L.MAX_LAYERS:
-        raise (LimitError if num_layers else SchemaError)("LIMIT_EXCEEDED" if num_layers else "ARCH_INVALID",
-                                                          f"num_layers {num_layers} outside [1, {L.MAX_LAYERS}]",
-                                                          rule="KVW-ARCH-1")
-    specs = []
-    for st in t.tables(2, L.MAX_LAYERS):
-        kw = _read_scalars(st, LayerSpec, _LAYER_SCALARS)
-        kw["rope"] = _read_rope(st.table(7))
-        kw["state_tensors"] = XM.read_state_tensors(st)
-        specs.append(LayerSpec(**kw))
-    index = _read_numbers(t, 3, "H", 2, L.MAX_LAYERS)
-    if len(index) != num_layers or any(i >= len(specs) for i in index):
-        raise SchemaError("ARCH_INVALID", f"layer_spec_index ({len(index)} entries) does not map "
-                          f"{num_layers} layers onto {len(specs)} layer specs", rule="KVW-ARCH-1")
-    return Architecture(
-        layers=tuple(specs[i] for i in index),
-        rope=_read_rope(t.table(4)),
-        keys_post_rope=t.boolean(5, True),
-        schema_version=t.scalar(0, _S["H"], 1),
-    )
-
-
-def _read_structs(t: Table, fid: int, fmt: str, max_count: int) -> list[tuple]:
-    s = struct.Struct("<" + fmt)
-    v = t.vector(fid, s.size, 4, max_count)
-    if v is None:
-        return []
-    start, count = v
-    return [s.unpack_from(t.buf.data, start + i * s.size) for i in range(count)]
-
-
-def _read_engine_layout(t: Table | None) -> EngineLayout | None:
-    """Verified like every table (KVW-HDR-2); its content is never judged (KVW-HDR-18)."""
-    if t is None:
-        return None
-    return EngineLayout(
-        name=t.string(0, L.MAX_STRING_LENGTH) or "",
-        axes=t.string(1, L.MAX_STRING_LENGTH) or "",
-        stride_order=_read_numbers(t, 2, "B", 1, MAX_LAYOUT_DIMS),
-        block_size=t.scalar(3, _S["I"], 0),
-        engine=t.string(4, L.MAX_STRING_LENGTH) or "",
-    )
-
-
 def parse_header(data: bytes) -> Header:
     """Verify and decode header bytes; raises a FormatError subclass on any defect."""
     buf = Buffer(bytes(data), HEADER_IDENTIFIER, "KVW-HDR-1")
     t = buf.root()
-    arch = _read_arch(t.table(6, required=True))
+    arch = read_architecture(t.table(6, required=True))
     producer_t, model_t = t.table(4), t.table(5)
     producer = Producer(
         *(producer_t.string(i, L.MAX_STRING_LENGTH) or "" for i in (0, 1))) if producer_t else Producer("", "")
@@ -723,12 +360,12 @@ def parse_header(data: bytes) -> Header:
         model = ModelIdentity(*(
             (model_t.string(i, L.MAX_STRING_LENGTH) or "") if i in (0, 1, 2, 7, 8)
             else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"") for i in range(len(names) - 1)),
-            fingerprint_scheme=model_t.scalar(10, _S["H"], 0))
+            fingerprint_scheme=model_t.scalar(10, SCALAR["H"], 0))
     layer_map = tuple(
-        LayerMapEntry(r, tl, _enum(R.MAP_OP_BY_CODE, op, "layer map op"))
-        for r, tl, op in _read_structs(t, 7, "IiB3x", L.MAX_LAYERS))
-    token_count = t.scalar(12, _S["I"], 0)
-    ranges = _read_structs(t, 13, "II", L.MAX_LAYERS)
+        LayerMapEntry(r, tl, enum_name(R.MAP_OP_BY_CODE, op, "layer map op"))
+        for r, tl, op in read_structs(t, 7, "IiB3x", L.MAX_LAYERS))
+    token_count = t.scalar(12, SCALAR["I"], 0)
+    ranges = read_structs(t, 13, "II", L.MAX_LAYERS)
     metadata = {}
     for kv in t.tables(15, L.MAX_METADATA_ENTRIES):
         key = kv.string(0, 256, required=True)
@@ -738,23 +375,23 @@ def parse_header(data: bytes) -> Header:
     h = Header(
         arch=arch,
         token_count=token_count,
-        dtype=_enum(R.DTYPE_BY_CODE, t.scalar(8, _S["B"], 0), "dtype"),
-        first_position=t.scalar(11, _S["Q"], 0),
+        dtype=enum_name(R.DTYPE_BY_CODE, t.scalar(8, SCALAR["B"], 0), "dtype"),
+        first_position=t.scalar(11, SCALAR["Q"], 0),
         layer_tokens=tuple(TokenRange(s, c) for s, c in ranges) if ranges else None,
-        chunk_tokens=t.scalar(10, _S["I"], 256),
-        alignment=t.scalar(9, _S["I"], 64),
+        chunk_tokens=t.scalar(10, SCALAR["I"], 256),
+        alignment=t.scalar(9, SCALAR["I"], 64),
         model=model,
         producer=producer,
         layer_map=layer_map,
         metadata=metadata,
-        checksum_algorithm=_enum(R.CHECKSUM_BY_CODE, t.scalar(14, _S["B"], 0), "checksum algorithm"),
-        required_features=t.scalar(2, _S["Q"], 0),
-        optional_features=t.scalar(3, _S["Q"], 0),
-        format_major=t.scalar(0, _S["H"], 0),
-        format_minor=t.scalar(1, _S["H"], 0),
-        engine_layout=_read_engine_layout(t.table(16)),
+        checksum_algorithm=enum_name(R.CHECKSUM_BY_CODE, t.scalar(14, SCALAR["B"], 0), "checksum algorithm"),
+        required_features=t.scalar(2, SCALAR["Q"], 0),
+        optional_features=t.scalar(3, SCALAR["Q"], 0),
+        format_major=t.scalar(0, SCALAR["H"], 0),
+        format_minor=t.scalar(1, SCALAR["H"], 0),
+        engine_layout=read_engine_layout(t.table(16)),
         sparse=read_sparse(t.table(19)),
-        codec_specs=read_codec_specs(t, t.scalar(2, _S["Q"], 0)),
+        codec_specs=read_codec_specs(t, t.scalar(2, SCALAR["Q"], 0)),
         prefix=XM.read_prefix(t.table(17)),
     )
     check_header(h)

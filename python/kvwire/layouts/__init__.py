@@ -18,11 +18,18 @@ from .descriptor import AXES, LAYOUTS, LayoutDescriptor, get_layout, layout_name
 
 
 def __getattr__(name):  # torch-dependent parts, imported on first use
-    if name in ("EngineBuffers", "LayerGeometry", "LayoutMismatchError", "ScatterHandle", "bind",
-                "slots_from_blocks"):
-        from . import adapter
+    if name in ("EngineBuffers", "LayerGeometry", "LayoutMismatchError", "bind"):
+        from . import binding
 
-        return getattr(adapter, name)
+        return getattr(binding, name)
+    if name == "ScatterHandle":
+        from . import scattering
+
+        return scattering.ScatterHandle
+    if name == "slots_from_blocks":
+        from . import ids
+
+        return ids.slots_from_blocks
     if name in ("architecture_of", "header_for", "iter_chunks", "iter_buffers_from_engine", "encode_from_engine",
                 "save_from_engine", "gather", "gather_cache", "scatter"):
         from . import engine

@@ -16,7 +16,7 @@ from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..format.header import Architecture, Header, LayerSpec
 from ..cache.encoder import Encoder
 from ..cache.files import atomic_write
-from .adapter import EngineBuffers, LayoutMismatchError
+from .binding import EngineBuffers, LayoutMismatchError
 
 
 def architecture_of(eb: EngineBuffers) -> Architecture:

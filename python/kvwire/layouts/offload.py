@@ -39,7 +39,8 @@ from ..format.chunks import planned_chunks
 from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..cache.cuda import int_view, stream_for
 from ..cache.encoder import Encoder
-from .adapter import EngineBuffers, LayoutMismatchError, id_runs
+from .binding import EngineBuffers, LayoutMismatchError
+from .ids import id_runs
 from ..cache.files import atomic_write
 from .engine import architecture_of
 
@@ -146,7 +147,7 @@ class OffloadRing:
             tmp = torch.empty(dst_all.shape, dtype=ring.dtype, device=eb.device) if on_device else dst_all
             for layer in range(eb.num_layers):
                 for kv, comp in enumerate(comps):
-                    v = eb._views[layer][comp]
+                    v = eb.int_views[layer][comp]
                     if eb.layout.addressing == "block":
                         src = v.permute(0, 2, 1, 3)  # (B, H, N, C)
                     else:  # (T, H, C) -> pages of P slots

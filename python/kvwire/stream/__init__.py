@@ -26,7 +26,9 @@ object with ``readinto()``.
 
 from .fanout import MemoryStore, SharedBuffers, encode_shared, fanout
 from .segments import DecodeWriter, Reassembler, read_segments
-from .transport import Layer, Placed, Reader, TransferStats, Writer
+from .reader import Layer, Placed, Reader
+from .transport import TransferStats
+from .writer import Writer
 
 __all__ = [
     "DecodeWriter", "Layer", "MemoryStore", "Placed", "Reader", "Reassembler", "SharedBuffers", "TransferStats",

@@ -11,7 +11,8 @@ from ..format.errors import LayoutError
 from ..format.header import Header, default_layer_tokens
 from ..cache.tensors import as_numpy
 from ..cache.encoder import Encoder
-from .transport import Reader, TransferStats, sender_for
+from .reader import Reader
+from .transport import TransferStats, sender_for
 
 
 def _segment_base(h: Header) -> Header:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from ..format import registry as R
 from ..codecs import PRESETS
 from ..format.errors import FormatError
-from ..cache.reader import open as kv_open
+from ..cache.files import open as kv_open
 from .synth import synth_cache
 from ..cache.files import save
 

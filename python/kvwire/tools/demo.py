@@ -41,7 +41,7 @@ def _mib(n: int) -> str:
 
 def synthetic(layers: int = 32, tokens: int = 2048) -> int:
     """Synthesize a Llama-3-8B-shaped cache, save it, reopen zero-copy, verify, report."""
-    from ..cache.reader import open as kv_open
+    from ..cache.files import open as kv_open
     from ..cache.files import save
 
     cache = synth_cache(layers, 8, 128, tokens, seed=0, model_type="llama")
@@ -55,7 +55,7 @@ def synthetic(layers: int = 32, tokens: int = 2048) -> int:
         with kv_open(path) as r:
             t_open = time.perf_counter() - t0
             k0 = r.chunk(0, "k", 0)
-            zero_copy = np.shares_memory(k0, np.frombuffer(r._buf, np.uint8))
+            zero_copy = np.shares_memory(k0, np.frombuffer(r.buffer, np.uint8))
             t0 = time.perf_counter()
             loaded = r.load()
             t_load = time.perf_counter() - t0
@@ -78,7 +78,7 @@ def produce(workdir: Path, layers: int, tokens: int, new_tokens: int) -> dict:
     """Prefill, save, continue: what the receiver must reproduce."""
     from ..adapters import hf
     from ..adapters import zoo
-    from ..conformance.crossmodel import forward, greedy, prompt_ids, quiet_torch
+    from ..conformance.generation import forward, greedy, prompt_ids, quiet_torch
     from ..cache.files import save
 
     with quiet_torch():
@@ -109,11 +109,12 @@ def receive(workdir: Path) -> dict:
     the same continuation after recomputing the prefill instead."""
     from ..adapters import hf
     from ..adapters import zoo
-    from ..conformance.crossmodel import forward, greedy, quiet_torch, verdict_json
+    from ..conformance.generation import forward, greedy, quiet_torch, verdict_json
     from ..format.container import parse_preamble
     from ..format.errors import TruncatedError
     from ..model.compat import check_compatible
-    from ..cache.reader import open as kv_open, probe
+    from ..cache.files import open as kv_open
+    from ..cache.reader import probe
 
     job = json.loads((workdir / "job.json").read_text())
     path = workdir / job["file"]
@@ -197,7 +198,7 @@ def run(layers: int | None = None, tokens: int | None = None, new_tokens: int = 
         print(f"kvwire demo: the end-to-end demo needs torch and transformers ({exc}).")
         print("  install them with:  pip install 'kvwire[hf]' torch   -- running the synthetic demo instead")
         return synthetic(layers or 32, tokens or 2048)
-    from ..conformance.crossmodel import subprocess_env
+    from ..conformance.crossmodel_receiver import subprocess_env
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..cache.kvcache import KVCache
-from ..cache.reader import load
+from ..cache.files import load
 from ..cache.tensors import as_numpy, dtype_name
 from ..cache.encoder import encode
 

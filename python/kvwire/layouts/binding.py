@@ -1,4 +1,4 @@
-"""Adapters: engine buffers in a named layout <-> chunks in kvwire's standard layout.
+"""Binding an engine's KV buffers to a named layout descriptor, and checking them.
 
 ``EngineBuffers(layout, buffers)`` binds an engine's tensors to a descriptor and checks
 them against it: number of dimensions, sizes of merged dimensions, and the memory order
@@ -6,19 +6,13 @@ them against it: number of dimensions, sizes of merged dimensions, and the memor
 shape in ``dims`` order, strides following ``stride_order``) or as the raw allocation
 (shape in memory order, contiguous); anything else is an error, never a guess. Every
 (layer, component) then gets a *view* with axes (B, N, H, C) (paged) or (T, H, C) (token
-slots); these views are all the rest of the code needs.
+slots), kept as integer views of the elements' width (``int_views``); these views are all
+the rest of the code needs. Block / slot ids and container headers are checked against
+the bound buffers here too (``check_ids``, ``ids_within``, ``check_header``).
 
-``gather_range`` returns a chunk [heads, tokens, head_dim]: a view when the tokens lie in
-one block or a contiguous run of mergeable blocks, else one ``index_select`` into a
-fresh tensor already in the standard layout (the one copy the hardware needs).
-``scatter`` copies each decoded chunk (a view of the container bytes for raw bodies)
-into the engine's buffers with one ``index_put_`` (or ``copy_`` for contiguous runs):
-one copy from the received bytes to the destination, none in between. On a device the
-bytes pass through the pinned staging ring of ``kvwire.cuda`` (host copy, DMA, device
-scatter), layer by layer, with an event per layer.
-
-All copies go through integer views of the elements' width, so they are bit-exact for
-every dtype (NaN payloads, fp8) and use kernels every device implements.
+Copying between the views and kvwire chunks is the job of the two mixins
+``EngineBuffers`` is made of: ``GatherMixin`` (gathering.py, engine -> chunks) and
+``ScatterMixin`` (scattering.py, chunks -> engine).
 """
 
 from __future__ import annotations
@@ -29,10 +23,14 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cache.cuda import StagingRing, host_chunk, int_view, stream_for
-from ..format.header import EngineLayout, Header
+from ..cache.cuda import int_view
 from ..cache.tensors import dtype_name
+from ..format.header import EngineLayout, Header
 from .descriptor import LayoutDescriptor, get_layout
+from .gathering import GatherMixin
+from .scattering import ScatterMixin
+
+__all__ = ["EngineBuffers", "LayerGeometry", "LayoutMismatchError", "bind"]
 
 
 class LayoutMismatchError(ValueError):
@@ -66,25 +64,6 @@ def _follows(t, order) -> bool:
     return all(t.stride(a) >= t.stride(b) * t.shape[b] for a, b in zip(dims, dims[1:]))
 
 
-def _run_start(ids: np.ndarray) -> int | None:
-    """The first id when ``ids`` is a consecutive increasing run, else None."""
-    if len(ids) == 0:
-        return None
-    if len(ids) == 1 or (np.diff(ids) == 1).all():
-        return int(ids[0])
-    return None
-
-
-def id_runs(ids: np.ndarray):
-    """(index in ids, first id, length) of each maximal run of consecutive increasing ids."""
-    if len(ids) == 0:
-        return []
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [len(ids)]))
-    return [(int(a), int(ids[a]), int(b - a)) for a, b in zip(starts, ends)]
-
-
 def _tensors_of(desc: LayoutDescriptor, buffers) -> list[dict]:
     """[{part: tensor}] per layer (part "kv", or "k"/"v" for separate packing); one entry
     {"model": tensor} for model-scope layouts."""
@@ -113,7 +92,7 @@ def _tensors_of(desc: LayoutDescriptor, buffers) -> list[dict]:
     return [{"kv": t} for t in buffers]
 
 
-class EngineBuffers:
+class EngineBuffers(GatherMixin, ScatterMixin):
     """An engine's KV buffers bound to a named layout.
 
     ``indexed_copies``: None (default) uses index kernels on devices and strided copies
@@ -184,7 +163,7 @@ class EngineBuffers:
             if want is not None and have not in (want, {want}, set()):
                 raise LayoutMismatchError(f"{desc.name}: the buffers give {what} {have}, the caller said {want}: "
                                           "wrong layout name?")
-        self._views = [{c: int_view(x) for c, x in v.items()} for v in views]
+        self.int_views = [{c: int_view(x) for c, x in v.items()} for v in views]
 
     # -- binding ---------------------------------------------------------------------------
 
@@ -270,11 +249,11 @@ class EngineBuffers:
 
     @property
     def num_layers(self) -> int:
-        return len(self._views)
+        return len(self.int_views)
 
     def view(self, layer: int, component: str):
         """The (B, N, H, C) or (T, H, C) view of one layer's component (engine dtype)."""
-        return self._views[layer][component].view(self.torch_dtype)
+        return self.int_views[layer][component].view(self.torch_dtype)
 
     def engine_layout(self) -> EngineLayout:
         d = self.layout
@@ -285,7 +264,11 @@ class EngineBuffers:
         n = len(ids)
         return n * self.block_size if self.layout.addressing == "block" else n
 
-    def _ids(self, ids, num_tokens: int, layer_capacity: int, *, unique: bool) -> np.ndarray:
+    # -- checks used by gather and scatter ------------------------------------------------
+
+    def ids_within(self, ids, num_tokens: int, layer_capacity: int, *, unique: bool) -> np.ndarray:
+        """The block (paged) or slot ids of ``num_tokens`` tokens as int64, checked to lie in
+        [0, ``layer_capacity``) and, when ``unique``, not to repeat (default: 0, 1, ...)."""
         N = self.block_size
         need = -(-num_tokens // N) if self.layout.addressing == "block" else num_tokens
         if ids is None:
@@ -301,67 +284,12 @@ class EngineBuffers:
             raise LayoutMismatchError(f"{what} repeat: two parts of the sequence would share engine memory")
         return a
 
-    # -- gather ----------------------------------------------------------------------------
-
-    def gather_range(self, layer: int, component: str, ids: np.ndarray, t0: int, t1: int):
-        """Tokens [t0, t1) of one component as [heads, tokens, head_dim] (``ids`` already
-        checked, see ``gather``): a view where the layout allows, else one copy."""
-        import torch
-
-        v = self._views[layer][component]
-        n = t1 - t0
-        if self.layout.addressing == "block":
-            N = self.block_size
-            b0, b1 = t0 // N, (t1 - 1) // N + 1
-            blocks, off = ids[b0:b1], t0 - b0 * N
-            run = _run_start(blocks)
-            if run is not None:
-                src = v[run : run + len(blocks)]
-                if len(blocks) == 1:
-                    return src[0, off : off + n].permute(1, 0, 2).view(self.torch_dtype)
-                if src.stride(0) == src.shape[1] * src.stride(1):
-                    return src.flatten(0, 1)[off : off + n].permute(1, 0, 2).view(self.torch_dtype)
-            H, C = v.shape[2], v.shape[3]
-            out = torch.empty((H, len(blocks) * N, C), dtype=v.dtype, device=v.device)
-            o4, src4 = out.view(H, len(blocks), N, C), v.permute(2, 0, 1, 3)  # (H, B, N, C)
-            if self._kernels():
-                torch.index_select(src4, 1, torch.as_tensor(blocks, device=v.device), out=o4)
-            else:  # strided copies per run of blocks: far faster than CPU index kernels
-                for j, b, k in id_runs(blocks):
-                    o4[:, j : j + k].copy_(src4[:, b : b + k])
-            return out[:, off : off + n].view(self.torch_dtype)
-        slots = ids[t0:t1]
-        run = _run_start(slots)
-        if run is not None:
-            return v[run : run + n].permute(1, 0, 2).view(self.torch_dtype)
-        out = torch.empty((v.shape[1], n, v.shape[2]), dtype=v.dtype, device=v.device)
-        src3 = v.permute(1, 0, 2)  # (H, T, C)
-        if self._kernels():
-            torch.index_select(src3, 1, torch.as_tensor(slots, device=v.device), out=out)
-        else:
-            for j, s0, k in id_runs(slots):
-                out[:, j : j + k].copy_(src3[:, s0 : s0 + k])
-        return out.view(self.torch_dtype)
-
-    def _kernels(self) -> bool:
+    def use_index_kernels(self) -> bool:
         """Index kernels (one launch per chunk) on devices; strided copies per run on the CPU."""
         return self.indexed_copies if self.indexed_copies is not None else self.device.type != "cpu"
 
     def check_ids(self, ids, num_tokens: int) -> np.ndarray:
-        return self._ids(ids, num_tokens, min(g.capacity for g in self.geometry), unique=False)
-
-    def gather_layer(self, layer: int, ids, num_tokens: int) -> dict:
-        """{component: [heads, num_tokens, head_dim]} of one layer."""
-        a = self.check_ids(ids, num_tokens)
-        return {c: self.gather_range(layer, c, a, 0, num_tokens) for c in self.geometry[layer].components}
-
-    def gather(self, ids, num_tokens: int) -> list[dict]:
-        """Every layer in the standard layout (see ``gather_range`` for views vs copies)."""
-        a = self.check_ids(ids, num_tokens)
-        return [{c: self.gather_range(i, c, a, 0, num_tokens) for c in g.components}
-                for i, g in enumerate(self.geometry)]
-
-    # -- scatter ---------------------------------------------------------------------------
+        return self.ids_within(ids, num_tokens, min(g.capacity for g in self.geometry), unique=False)
 
     def check_header(self, h: Header) -> None:
         """Raise ``LayoutMismatchError`` unless the container fits these buffers exactly."""
@@ -379,147 +307,6 @@ class EngineBuffers:
             if want != g:
                 raise LayoutMismatchError(f"layer {i}: container has {want.describe()} ({spec.kind}), the {name} "
                                           f"buffers hold {g.describe()}")
-
-    def _targets(self, a: np.ndarray, num_tokens: int, device):
-        """Per token of the cache: engine (block, offset) or slot, as device index tensors."""
-        import torch
-
-        t = np.arange(num_tokens)
-        if self.layout.addressing == "block":
-            N = self.block_size
-            return (torch.as_tensor(a[t // N], device=device), torch.as_tensor(t % N, device=device))
-        return (torch.as_tensor(a, device=device),)
-
-    def _put(self, layer: int, comp: str, a: np.ndarray, idx, t0: int, src) -> None:
-        """One copy of ``src`` [H, tc, C] (integer view) to tokens [t0, t0+tc) of the engine:
-        ``index_put_`` on devices, strided ``copy_`` per run of blocks/slots on the CPU."""
-        dst = self._views[layer][comp]
-        n = src.shape[1]
-        vals = src.permute(1, 0, 2)  # (tokens, H, C): a view, never materialized
-        if self.layout.addressing == "block":
-            N = self.block_size
-            b0, b1 = t0 // N, (t0 + n - 1) // N + 1
-            if self._kernels() and _run_start(a[b0:b1]) is None:
-                dst.index_put_((idx[0][t0 : t0 + n], idx[1][t0 : t0 + n]), vals)
-                return
-            mergeable = dst.stride(0) == dst.shape[1] * dst.stride(1)
-            for j, b, k in id_runs(a[b0:b1]):
-                lo, hi = max(t0, (b0 + j) * N), min(t0 + n, (b0 + j + k) * N)  # tokens of this run
-                off = lo - (b0 + j) * N
-                if k == 1 or mergeable:
-                    dst[b : b + k].flatten(0, 1)[off : off + hi - lo].copy_(vals[lo - t0 : hi - t0])
-                else:
-                    for q in range(k):
-                        s, e = max(lo, (b0 + j + q) * N), min(hi, (b0 + j + q + 1) * N)
-                        dst[b + q, s - (b0 + j + q) * N : e - (b0 + j + q) * N].copy_(vals[s - t0 : e - t0])
-            return
-        slots = a[t0 : t0 + n]
-        if self._kernels() and _run_start(slots) is None:
-            dst.index_put_((idx[0][t0 : t0 + n],), vals)
-            return
-        for j, s0, k in id_runs(slots):
-            dst[s0 : s0 + k].copy_(vals[j : j + k])
-
-    def scatter(self, reader, ids, *, verify: bool = True, stream=None, ring: StagingRing | None = None,
-                registered: bool = False) -> "ScatterHandle":
-        """Decode ``reader``'s chunks straight into these buffers at the positions of ``ids``.
-
-        Checks the header against the buffers first (``check_header``). CPU buffers: one
-        copy per chunk, done on return. Device buffers (or an explicit ``stream``): through
-        a staging ring with a device mirror, asynchronously; the handle's ``wait_layer(i)``
-        and ``synchronize()`` wait for the copies.
-        """
-        h = reader.header
-        self.check_header(h)
-        capacity = min([g.capacity for s, g in zip(h.arch.layers, self.geometry) if s.kind != "shared"] or [0])
-        a = self._ids(ids, h.token_count, capacity, unique=True)
-        stream = (ring.stream if ring is not None else None) or stream_for(self.device, stream)
-        if stream is None and self.device.type != "cpu":
-            raise ValueError(f"buffers on {self.device}: pass a stream for this device type")
-        idx = self._targets(a, h.token_count, self.device if stream is None else stream.device)
-        if stream is None:
-            for layer, spec in enumerate(h.arch.layers):
-                for comp in spec.components:
-                    for j in range(reader.num_chunks(layer, comp)):
-                        i = reader._index(layer, comp, j)
-                        c, src = host_chunk(reader, i, verify)
-                        self._put(layer, comp, a, idx, c.token_start, src)
-            return ScatterHandle(None, [None] * h.num_layers)
-        return self._scatter_async(reader, a, idx, verify, stream, ring, registered)
-
-    def _scatter_async(self, reader, a, idx, verify, stream, ring, registered) -> "ScatterHandle":
-        h = reader.header
-        recs = reader.records
-        biggest = int(recs["raw_length"].max()) if len(recs) else 1
-        if ring is None:
-            ring = StagingRing(stream, biggest, 2, device_mirror=True)
-        elif not ring.device_mirror:
-            raise ValueError("scatter to a device needs a staging ring with device_mirror=True")
-        ring.ensure(biggest)
-        stream.wait_current()  # the engine's pending work on these buffers comes first
-        events = []
-        for layer, spec in enumerate(h.arch.layers):
-            for comp in spec.components:
-                for j in range(reader.num_chunks(layer, comp)):
-                    i = reader._index(layer, comp, j)
-                    if registered:
-                        c, src = host_chunk(reader, i, verify)
-                        slot = ring.acquire(c.raw_length)
-                    else:
-                        c, stored = reader._stored(i, verify)
-                        slot = ring.acquire(c.raw_length)
-                        host = ring.host[slot][: c.raw_length]
-                        reader.decode_stored(i, c, stored, out=host.numpy())
-                        src = host.view(self._views[layer][comp].dtype).view(c.shape)
-                    dev = ring.device[slot][: c.raw_length].view(src.dtype).view(c.shape)
-
-                    def work(dev=dev, src=src, layer=layer, comp=comp, t0=c.token_start):
-                        dev.copy_(src, non_blocking=True)
-                        self._put(layer, comp, a, idx, t0, dev)
-
-                    ring.launch(slot, work, keep=src)
-            events.append(stream.record())
-        return ScatterHandle(stream, events, ring)
-
-
-class ScatterHandle:
-    """Completion of a scatter: one event per layer (None when already done)."""
-
-    def __init__(self, stream, events, ring=None):
-        self.stream = stream
-        self.events = events
-        self.ring = ring
-
-    def done(self) -> bool:
-        return all(e is None or e.query() for e in self.events)
-
-    def wait_layer(self, layer: int) -> None:
-        """Block the host until ``layer`` is in place."""
-        if self.events[layer] is not None:
-            self.events[layer].synchronize()
-
-    def stream_wait_layer(self, layer: int) -> None:
-        """Make the caller's current device stream wait for ``layer`` (the host goes on):
-        what an engine's ``wait_for_layer_load`` needs."""
-        if self.events[layer] is not None:
-            self.stream.wait_event(self.events[layer])
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            if e is not None:
-                e.synchronize()
-        if self.ring is not None:
-            self.ring.drain()
-
-
-def slots_from_blocks(block_ids, block_size: int, num_tokens: int) -> np.ndarray:
-    """Token slot ids of a paged allocator (slot = page * page_size + offset), e.g. SGLang
-    with page_size > 1, for the first ``num_tokens`` tokens of ``block_ids``."""
-    b = np.asarray(block_ids, dtype=np.int64)
-    t = np.arange(num_tokens)
-    if len(b) * block_size < num_tokens:
-        raise ValueError(f"{len(b)} blocks of {block_size} hold fewer than {num_tokens} tokens")
-    return b[t // block_size] * block_size + t % block_size
 
 
 def bind(layout, buffers, **kw) -> EngineBuffers:

@@ -1,0 +1,343 @@
+"""The layer-wise stream reader: ``Reader(source)`` yields each ``Layer`` as it arrives.
+
+Bodies are received with ``recvmsg_into`` / ``readv`` (``receiver_for``, transport.py)
+straight into one preallocated (optionally pinned, or caller-supplied) buffer carved
+into the layer tensors, and verified in place by the sans-IO ``StreamDecoder``; a
+receive thread works up to ``prefetch`` layers ahead of the consumer. The receiving
+side of ``Writer`` (writer.py), kept apart because buffer carving, the prefetch window
+and the consumer hand-off are a responsibility of their own.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from ..cache.decoder import ChunkEvent, HeaderEvent, Placed, StreamDecoder
+from ..cache.kvcache import KVCache
+from ..cache.tensors import as_numpy, as_uint, torch_dtype
+from ..format import registry as R
+from ..format.chunks import ChunkTable
+from ..format.header import Header
+from ..format.limits import DEFAULT_MAX_DECODED_BYTES
+from .transport import TransferStats, receiver_for
+
+__all__ = ["Layer", "Placed", "Reader"]
+
+
+class Layer(NamedTuple):
+    """One received layer: component name -> [heads, tokens, dim] array or tensor."""
+
+    index: int
+    tensors: dict
+
+    @property
+    def k(self):
+        return self.tensors.get("k")
+
+    @property
+    def v(self):
+        return self.tensors.get("v")
+
+    @property
+    def latent(self):
+        return self.tensors.get("latent")
+
+
+def _slab(nbytes: int, backend: str, pin: bool, buffer):
+    """One uint8 allocation (numpy array or torch tensor) of at least ``nbytes``."""
+    nbytes = max(nbytes, 1)
+    if buffer is not None:
+        b = buffer(nbytes) if callable(buffer) else buffer
+        if hasattr(b, "data_ptr"):  # torch tensor
+            b = b.view(-1).view(_torch().uint8) if b.is_contiguous() else None
+            if b is None:
+                raise ValueError("receive buffer tensor must be contiguous")
+            if backend == "numpy":
+                b = b.numpy()
+        else:
+            b = np.frombuffer(b, np.uint8)
+            if not b.flags.writeable:
+                raise ValueError("receive buffer must be writable")
+            if backend == "torch":
+                b = _torch().from_numpy(b)
+        if b.shape[0] < nbytes:
+            raise ValueError(f"receive buffer holds {b.shape[0]} bytes, {nbytes} needed")
+        return b
+    if pin:
+        torch = _torch()
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            raise RuntimeError(f"pin=True needs a torch build with an accelerator: {exc}") from None
+        return t if backend == "torch" else t.numpy()
+    a = np.empty(nbytes, np.uint8)
+    return _torch().from_numpy(a) if backend == "torch" else a
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _carve(slab, offset: int, shape: tuple, dtype: str, backend: str):
+    n = math.prod(shape) * R.DTYPES[dtype][1]
+    part = slab[offset : offset + n]
+    if backend == "torch":
+        return part.view(torch_dtype(dtype)).view(shape)
+    return part.view(R.DTYPES[dtype][2]).reshape(shape)
+
+
+def _layer_bytes(h: Header, layer: int) -> list[tuple[str, tuple, int]]:
+    """(component, shape, bytes rounded up to 64) of a layer's tensors."""
+    spec, r = h.arch.layers[layer], h.layer_tokens[layer]
+    out = []
+    for comp in spec.components:
+        shape = spec.shape(comp, r.count)
+        out.append((comp, shape, (math.prod(shape) * h.itemsize + 63) & ~63))
+    return out
+
+
+class Reader:
+    """Receive one stream-form container layer by layer; iterate to get ``Layer`` objects.
+
+    The constructor reads up to the header (``EOFError`` if the source ends before its
+    first byte). Layers are yielded in layer order, each as soon as it and the layers
+    before it are complete and verified; the iteration ends after the end frame has
+    been verified (KVW-STREAM-2: a failure raises, and everything received must then be
+    discarded).
+
+    ``keep=True`` (default): one buffer for the whole cache, layers stay valid and
+    ``cache()`` returns a ``KVCache`` over them. ``keep=False``: a ring of
+    ``prefetch + 1`` layer slots in one buffer (chunks must arrive layer by layer, as
+    ``Writer`` sends them); a layer is valid until the next one is taken. ``buffer``: a
+    writable buffer or uint8 tensor (or ``callable(nbytes)`` returning one) to carve
+    instead of allocating (a buffer kept across transfers avoids the page faults of a
+    fresh allocation, which can cost more than the transfer itself); ``pin=True``
+    allocates pinned host memory (torch with an accelerator). ``prefetch``: layers the receive thread may complete ahead of the one
+    in use (0: no thread, the consumer's ``next()`` receives). ``to_eof``: the container
+    is the whole input, so a file-form tail is read and checked (KVW-LAYOUT-4); by
+    default reading stops at the end frame and the source is left at the next
+    container (KVW-STREAM-3).
+    """
+
+    def __init__(self, source, *, verify: bool = True, backend: str = "numpy", prefetch: int = 2,
+                 keep: bool = True, pin: bool = False, buffer=None, link_gbps: float | None = None,
+                 to_eof: bool = False, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"backend must be 'numpy' or 'torch', not {backend!r}")
+        self.backend, self.prefetch, self.keep = backend, max(0, prefetch), keep
+        self.stats = TransferStats("recv", link_gbps)
+        self._recv = receiver_for(source)
+        threaded = self.prefetch > 0
+        # Checksums are computed on the receive thread, in place, right after each body
+        # arrives (still in cache). A second verifying thread measured slower on 2 cores:
+        # GIL hand-offs between it and the receive thread cost more than the overlap gained.
+        self._dec = StreamDecoder(verify=verify, placement=self._place, stop_at_end=not to_eof,
+                                  max_decoded_bytes=max_decoded_bytes)
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._ended = False  # end frame verified (and tail checked with to_eof)
+        self._released = 0  # layers the consumer is finished with
+        self._next = 0  # next layer to hand out
+        self._waiting = False  # the consumer waits for a layer
+        self._closing = False
+        self.header = None
+        self.stats.begin()
+        while self.header is None:
+            self._step()
+        h = self.header
+        self.form = None
+        table = ChunkTable.of(h)
+        self._remaining = [int(table.counts[i].sum()) for i in range(h.num_layers)]  # chunks still to come
+        self._complete = [n == 0 for n in self._remaining]
+        self._started = [False] * h.num_layers
+        sizes = [_layer_bytes(h, i) for i in range(h.num_layers)]
+        if keep:
+            self._slots = 0
+            self._offsets, total = [], 0
+            for layer in sizes:
+                self._offsets.append(total)
+                total += sum(n for _, _, n in layer)
+        else:
+            self._slots = self.prefetch + 1
+            self._slot_bytes = max(sum(n for _, _, n in layer) for layer in sizes)
+            total = self._slots * self._slot_bytes
+        self._sizes = sizes
+        self._slab = _slab(total, backend, pin, buffer)
+        self._tensors: list[dict | None] = [None] * h.num_layers
+        self._flat: list[dict | None] = [None] * h.num_layers
+        for i, done in enumerate(self._complete):
+            if done:  # no chunks: shared layers, empty token ranges
+                self._tensors[i] = self._carve_layer(i, 0)  # zero-size tensors, if any
+                self.stats.mark_layer(i)
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="kvwire-stream-recv", daemon=True)
+            self._thread.start()
+
+    # -- receive side --------------------------------------------------------------------
+
+    def _carve_layer(self, layer: int, offset: int) -> dict:
+        out = {}
+        for comp, shape, n in self._sizes[layer]:
+            out[comp] = _carve(self._slab, offset, shape, self.header.dtype, self.backend)
+            offset += n
+        return out
+
+    def _place(self, layer: int, comp: str, t0: int, n: int):
+        """Where a chunk goes: its token slice of the layer tensor, as one byte run per head."""
+        if not self._started[layer]:
+            self._start_layer(layer)
+        x = self._tensors[layer][comp]
+        flat, heads, per_head, row = self._flat[layer][comp]
+        a = (t0 - self.header.layer_tokens[layer].start) * row
+        b = a + n * row
+        pieces = [flat[h * per_head + a : h * per_head + b] for h in range(heads)]
+        return Placed(x[:, a // row : b // row, :], pieces)
+
+    def _flatten(self, tensors: dict) -> dict:
+        """Per component: (flat byte view, heads, bytes per head, bytes per token row)."""
+        out = {}
+        for comp, x in tensors.items():
+            u = as_uint(as_numpy(x))
+            heads, tokens, dim = u.shape
+            out[comp] = (memoryview(u.reshape(-1)).cast("B"), heads, tokens * dim * u.itemsize, dim * u.itemsize)
+        return out
+
+    def _start_layer(self, layer: int) -> None:
+        """First chunk of ``layer``: wait until it is within the prefetch window (unless the
+        consumer waits for a layer whose chunks are still to come: chunks may arrive in any
+        order, KVW-CHUNK-9)."""
+        if not self.keep and any(self._remaining[i] for i in range(layer)):
+            raise RuntimeError("keep=False needs the chunks of each layer before those of the next")
+        if self._thread is not None:
+            with self._cond:
+                while (layer > self._released + self.prefetch and not self._closing
+                       and not (self.keep and self._waiting and self._remaining[self._next])):
+                    self._cond.wait()
+        offset = self._offsets[layer] if self.keep else layer % self._slots * self._slot_bytes
+        self._tensors[layer] = self._carve_layer(layer, offset)  # views of the slab, carved on first use
+        self._flat[layer] = self._flatten(self._tensors[layer])
+        self._started[layer] = True
+
+    def _step(self) -> None:
+        """One transport call and the events it completes."""
+        dec = self._dec
+        targets = dec.read_targets()
+        if not targets:
+            self.form = dec.close()
+            self._finish()
+            return
+        n = self._recv(targets)
+        if n == 0:
+            if dec.received == 0:
+                raise EOFError("the source ended before a container started")
+            if dec.done:  # to_eof: a complete container, its tail (if any) is checked now
+                self.form = dec.close()
+                self._finish()
+                return
+            dec.close()  # raises TruncatedError (KVW-LAYOUT-3)
+        self.stats.add(n)
+        dec.filled(n)
+        for ev in dec.events():
+            if isinstance(ev, ChunkEvent):  # verified, in place
+                self._remaining[ev.layer] -= 1
+                if self._remaining[ev.layer] == 0:
+                    self.stats.mark_layer(ev.layer)
+                    with self._cond:
+                        self._complete[ev.layer] = True
+                        self._cond.notify_all()
+            elif isinstance(ev, HeaderEvent):
+                self.header = ev.header
+
+    def _finish(self) -> None:
+        self.stats.finished = time.perf_counter()  # the transfer ends when the last chunk is verified
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while not self._ended and not self._closing:
+                self._step()
+        except BaseException as exc:  # handed to the consumer
+            self._fail(exc)
+
+    # -- consumer side -------------------------------------------------------------------
+
+    @property
+    def layers_ready(self) -> int:
+        """Layers complete and verified so far (the consumer may not have taken them yet)."""
+        return sum(self._complete)
+
+    def __iter__(self):
+        while self._next < self.header.num_layers:
+            yield self._take()
+        self._wait_end()
+
+    def _take(self) -> Layer:
+        i = self._next
+        with self._cond:
+            self._released = i  # the consumer is done with every layer before i
+            self._cond.notify_all()
+        if self._thread is None:
+            while not self._complete[i]:
+                self._step()
+        else:
+            with self._cond:
+                self._waiting = True
+                self._cond.notify_all()
+                while not self._complete[i] and self._error is None:
+                    self._cond.wait()
+                self._waiting = False
+                if self._error is not None:
+                    raise self._error
+        self._next = i + 1
+        return Layer(i, self._tensors[i])
+
+    def _wait_end(self) -> None:
+        with self._cond:
+            self._released = self.header.num_layers
+            self._cond.notify_all()
+        if self._thread is None:
+            while not self._ended:
+                self._step()
+        else:
+            with self._cond:
+                while not self._ended and self._error is None:
+                    self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            self._thread.join()
+
+    def cache(self) -> KVCache:
+        """Receive the rest and return the whole cache (``keep=True``): no copy, views of the buffer."""
+        if not self.keep:
+            raise RuntimeError("cache() needs keep=True")
+        for _ in self:
+            pass
+        return KVCache(self.header, self._tensors)
+
+    def close(self) -> None:
+        """Stop consuming. A receive thread blocked in the transport ends when the source closes."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
