@@ -135,3 +135,94 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["synth", "-o", "x", "--dtype", "f64"])
     assert info.value.code == 2
+
+
+# -- user mistakes: one line, no traceback, exit 2 (usage) / 1 (invalid input) ---------------
+
+
+def _kvwire(*args, timeout=60, **kw):
+    return subprocess.run([sys.executable, "-m", "kvwire", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _one_line_error(proc, status, *words):
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.parametrize("make, args, words", [
+    (lambda d: d / "missing.kvw", ["inspect"], ["missing.kvw", "No such file"]),
+    (lambda d: d / "missing.kvw", ["validate"], ["missing.kvw", "No such file"]),
+    (lambda d: d, ["inspect", "--json"], ["is a directory"]),
+    (lambda d: d, ["validate"], ["is a directory"]),
+])
+def test_cli_unreadable_inputs_are_one_line_exit_2(tmp_path, make, args, words):
+    _one_line_error(_kvwire(*args, make(tmp_path)), 2, *words)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="FIFOs")
+def test_cli_refuses_a_fifo_without_hanging(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.kvw"
+    os.mkfifo(fifo)
+    for cmd in ("inspect", "validate"):
+        _one_line_error(_kvwire(cmd, fifo, timeout=30), 2, "pipe.kvw", "FIFO")
+
+
+@pytest.mark.parametrize("output, words", [
+    ("{d}", ["is a directory"]),
+    ("{d}/no/such/dir/x.kvw", ["No such file"]),
+    ("{d}/file.kvw/x.kvw", ["Not a directory"]),
+])
+def test_cli_unwritable_output_is_one_line_exit_2(tmp_path, output, words):
+    (tmp_path / "file.kvw").write_bytes(b"x")
+    _one_line_error(_kvwire("synth", "-o", output.format(d=tmp_path), "--layers", "1", "--tokens", "8"), 2, *words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layers", "-1"], ["--layers", "-1", ">= 1"]),
+    (["--kv-heads", "0"], ["--kv-heads", ">= 1"]),
+    (["--tokens", "-5"], ["--tokens", "negative"]),
+    (["--chunk-tokens", "x"], ["--chunk-tokens", "not an integer"]),
+    (["--seed", "-1"], ["--seed", "negative"]),
+    (["--codec", "lz9"], ["--codec", "invalid choice"]),
+])
+def test_cli_bad_counts_and_choices_are_one_line_exit_2(tmp_path, args, words):
+    _one_line_error(_kvwire("synth", "-o", tmp_path / "x.kvw", *args), 2, *words)
+    assert not (tmp_path / "x.kvw").exists()
+
+
+def test_cli_demo_rejects_negative_counts():
+    _one_line_error(_kvwire("demo", "--synthetic", "--tokens", "-3"), 2, "--tokens")
+
+
+def test_cli_invalid_container_exits_1(tmp_path):
+    bad = tmp_path / "junk.kvw"
+    bad.write_bytes(b"not a container at all, just text" * 4)
+    proc = _kvwire("inspect", bad)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[0] == "BAD_MAGIC"
+
+
+def test_cli_closed_pipe_is_quiet(synth_file):
+    """`kvwire inspect x.kvw --json | head -c 1`: no traceback; a reader that closed the pipe
+    before the output was written gives 141, as a command ended by SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvwire", "inspect", str(synth_file), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the only read end: every write fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert err == "", err
+    shell = subprocess.run(f"set -o pipefail; '{sys.executable}' -m kvwire inspect '{synth_file}' --json | head -c 1",
+                           shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    assert shell.stdout == "{" and "Traceback" not in shell.stderr and "Exception" not in shell.stderr
+    assert shell.returncode in (0, 141)
+
+
+def test_cli_help_documents_the_exit_statuses():
+    out = _kvwire("--help").stdout
+    assert "exit status:" in out and "invalid input" in out and "usage error" in out and "141" in out

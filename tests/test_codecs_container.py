@@ -226,11 +226,12 @@ def test_cspec_header_round_trip_and_json():
     assert N.header_from_json(j) == h
 
 
-def test_cspec1_field_without_the_bit_is_ignored_by_readers_and_refused_by_writers():
-    """KVW-CSPEC-1 / KVW-EVOL-2."""
+def test_cspec10_field_without_the_bit_is_refused_by_readers_and_writers():
+    """KVW-CSPEC-10 / KVW-EVOL-10: codec_specs is part of the 1.0 schema, read whatever bits are set."""
     h = _header(CodecSpec("byteplane_zstd"), bit=False)
-    assert parse_header(forge.header_of(h)).codec_specs == ()
-    with forge.raises_code(kvwire.SchemaError, "CODEC_SPEC_INVALID", "KVW-CSPEC-1"):
+    with forge.raises_code(kvwire.SchemaError, "CODEC_SPEC_INVALID", "KVW-CSPEC-10"):
+        parse_header(forge.header_of(h))
+    with forge.raises_code(kvwire.SchemaError, "CODEC_SPEC_INVALID", "KVW-CSPEC-10"):
         forge.header_of(h, check=True)
 
 
@@ -448,3 +449,70 @@ def test_bpz4_incompressible_chunks_fall_back_to_raw():
         assert not r.records["reserved0"].any()
         assert forge.cache_bytes_equal(r.load(), c.with_header(**{
             "codec_specs": r.header.codec_specs, "required_features": r.header.required_features}))
+
+
+# ---------------------------------------------------------------------------------------
+# Faithful encoding: chunks a lossy spec cannot carry are stored losslessly (KVW-LOSSY-5/6)
+# ---------------------------------------------------------------------------------------
+
+def _records(data):
+    with kvwire.open(data) as r:
+        return [(r.info(i).layer, r.info(i).component, r.info(i).token_start, r.info(i).codec,
+                 int(rec["reserved0"])) for i, rec in enumerate(r.records)]
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4-g32", "kivi2", "kivi4", "int8-asym", "fp8-e4m3"])
+def test_lossy5_f16_largest_finite_values_decode_finite(preset):
+    """KVW-LOSSY-5 (a), the issue's case: an f16 cache holding +-65504 decoded to +-inf
+    under int8 (the f16 scale 516 = 65504/127 rounded up, 127 * 516 > 65504) and int4-g32;
+    now every element decodes finite and close, and the chunks stay lossy."""
+    cache = kv_cache(layers=1, tokens=192, dim=32, dtype="f16", chunk_tokens=64)
+    for a in cache.layers[0].values():
+        a[:, :64] = np.where(a[:, :64] >= 0, 65504, -65504)
+    data = kvwire.encode(cache, codec=preset)
+    got = forge.read_all(data)
+    want = reference_decode(data)
+    for comp in ("k", "v"):
+        y = got.layers[0][comp].astype(np.float32)
+        assert _same(got.layers[0][comp], want[0, comp])
+        assert np.isfinite(y).all(), preset
+        assert np.abs(y[:, :64] - cache.layers[0][comp][:, :64].astype(np.float32)).max() <= 65504 * 2 ** -5
+    assert all(spec for *_, spec in _records(data))  # no fallback needed
+
+
+@pytest.mark.parametrize("dtype, preset, scale", [("bf16", "int8", 1e-7), ("bf16", "kivi2", 1e30),
+                                                  ("f32", "int4-g32", 1e-9), ("f32", "int8-asym", 3e38)])
+def test_lossy5_chunks_the_spec_cannot_carry_are_stored_losslessly(dtype, preset, scale):
+    """KVW-LOSSY-5: values an f16 scale cannot scale (bf16 1e-7 under int8 decoded to all
+    zeros; 1e30 under kivi2 raised) or whose range overflows fp32: that chunk is stored raw
+    or zstd (codec_spec 0), bit for bit; the other chunks keep the lossy spec."""
+    cache = kv_cache(layers=1, tokens=192, dim=32, dtype=dtype, chunk_tokens=32)
+    dt = R.DTYPES[dtype][2]
+    for a in cache.layers[0].values():
+        a[:, 32:64] = (a[:, 32:64].astype(np.float64) * scale).clip(-3.38e38, 3.38e38).astype(dt)
+    data = kvwire.encode(cache, codec=preset)
+    recs = _records(data)
+    got = forge.read_all(data)
+    for comp in ("k", "v"):
+        assert got.layers[0][comp][:, 32:64].tobytes() == cache.layers[0][comp][:, 32:64].tobytes()
+        assert np.isfinite(got.layers[0][comp].astype(np.float32)).all()
+    for layer, comp, t0, codec, spec in recs:
+        if t0 == 32:
+            assert codec in ("raw", "zstd") and spec == 0, (comp, codec)
+        elif t0 < 64:  # kivi keeps the last 128 tokens: quantized chunks are t0 < 64
+            assert spec != 0, (comp, t0, codec)
+    ref_ = reference_decode(data)
+    assert _same(got.layers[0]["k"], ref_[0, "k"])
+
+
+@pytest.mark.parametrize("preset", ["int8", "kivi2", "fp8-e4m3", "fp8-e5m2"])
+def test_lossy6_nan_and_infinity_chunks_are_stored_bit_for_bit(preset):
+    """KVW-LOSSY-6: a chunk holding NaN (with a payload) or +-inf is stored losslessly:
+    int8 used to raise ValueError for the whole cache, fp8 saturated infinities."""
+    cache = kv_cache(layers=1, tokens=192, dim=16, dtype="bf16", chunk_tokens=32)
+    k = cache.layers[0]["k"]
+    k.view(np.uint16)[0, 5, :3] = [0x7FA1, 0x7F80, 0xFF80]  # a NaN payload, +inf, -inf
+    data = kvwire.encode(cache, codec=preset)
+    got = forge.read_all(data)
+    assert got.layers[0]["k"][:, :32].tobytes() == k[:, :32].tobytes()
+    assert [c for _, comp, t0, c, _ in _records(data) if comp == "k" and t0 == 0] in (["raw"], ["zstd"])

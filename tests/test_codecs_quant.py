@@ -102,11 +102,11 @@ SPECS = [
 ]
 
 
-def _encode_decode(spec, x, t0=0, lo=0, hi=None):
+def _encode_decode(spec, x, t0=0, lo=0, hi=None, **kw):
     H, T, D = x.shape
     hi = t0 + T if hi is None else hi
     lay = quant.layout(spec, _name(x.dtype), H, D, t0, t0 + T, lo, hi)
-    body = _join(quant.encode(spec, x, lay))
+    body = _join(quant.encode(spec, x, lay, _name(x.dtype), **kw))
     assert len(body) == lay.length
     out = quant.decode(spec, body, lay, _name(x.dtype))
     assert out.tobytes() == ref.decode(spec, _name(x.dtype), body, H, T, D, t0, lo, hi)
@@ -167,7 +167,7 @@ def test_fp8_5_nan_inf_and_saturation():
     beyond the scale's range saturate to +-fmax * scale; the scale ignores them."""
     spec = CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="tensor")
     x = np.array([[[np.nan, np.inf, -np.inf, 448.0, -1.0, 0.0]]], ml_dtypes.bfloat16)
-    out, body, _ = _encode_decode(spec, x)
+    out, body, _ = _encode_decode(spec, x, keep_nonfinite=True)  # the reference writer stores it lossless
     assert struct.unpack_from("<f", body)[0] == 1.0  # amax 448 / fmax 448
     assert out.view("<u2")[0, 0, 0] == 0x7FC0
     assert out.astype(np.float32)[0, 0, 1:].tolist() == [448.0, -448.0, 448.0, -1.0, 0.0]
@@ -283,3 +283,188 @@ def test_fp8_tables_match_the_reference_formula():
             want = ref.fp8_value(code, fmt)
             assert (np.isnan(table[code]) and want != want) or table[code] == want, (fmt, code)
         assert R.DTYPES[fmt][2] == quant.FP8[fmt][0]
+
+
+# ---------------------------------------------------------------------------------------
+# Faithful encoding at the extremes (KVW-LOSSY-5/6)
+# ---------------------------------------------------------------------------------------
+
+from kvwire.codecs import PRESETS  # noqa: E402
+from kvwire.codecs.presets import resolve  # noqa: E402
+from kvwire.codecs.scales import LARGEST, PRECISION, SMALLEST  # noqa: E402
+
+LOSSY_PRESETS = sorted(n for n in PRESETS if isinstance(resolve(PRESETS[n], "k"), CodecSpec)
+                       and resolve(PRESETS[n], "k").lossy)
+PRESET_SPECS = [(n, c) for n in LOSSY_PRESETS for c in ("k", "v") if c == "k" or isinstance(PRESETS[n], dict)]
+EXTREME_SPECS = PRESET_SPECS + [
+    (f"int{b}-{a}-{'sym' if s else 'asym'}-{sd}", CodecSpec("int_affine", bits=b, group_size=G, group_axis=a,
+                                                            symmetric=s, scale_dtype=sd))
+    for b, G, a in ((2, 4, "tokens"), (4, 8, "channels"), (8, 16, "tokens")) for s in (False, True)
+    for sd in ("f16", "bf16", "f32")]
+
+
+def _spec(entry):
+    name, c = entry
+    return resolve(PRESETS[name], c) if isinstance(c, str) else c
+
+
+def _extreme(rng, dtype, shape, pattern, e):
+    """An array of the header dtype at magnitude 2^e: random signs and mantissas, one pattern."""
+    dt = DTYPES[dtype]
+    top, sub = LARGEST[dtype], SMALLEST[dtype]
+    g = rng.standard_normal(shape)
+    if pattern == "max":  # +-largest finite (and its neighbours)
+        x = np.sign(g) * top * (1 - rng.integers(0, 3, shape) * 2.0 ** -PRECISION[dtype])
+    elif pattern == "mixed":  # each group mixes magnitudes 2^e and 2^(e - 30)
+        x = g * 2.0 ** e * np.where(rng.random(shape) < 0.5, 1, 2.0 ** -30)
+    elif pattern == "subnormal":  # small multiples of the smallest subnormal
+        x = rng.integers(-4, 5, shape) * sub
+    elif pattern == "zero-groups":
+        x = g * 2.0 ** e
+        x[:, ::2] = 0
+        x[..., 1::3] = 0
+    else:  # "gauss": one magnitude 2^e
+        x = g * 2.0 ** e
+    return np.clip(x, -top, top).astype(dt)
+
+
+def _groups(spec, a):
+    """Per group (the elements sharing one scale) the largest |a|, shaped like the scales."""
+    a = np.abs(a.astype(np.float64))
+    if spec.codec == "fp8":
+        return a.max(axis={"tensor": None, "head": (1, 2), "token": 2}[spec.scale_granularity], keepdims=True)
+    return quant.group_reduce(a, spec, lambda b, ax: b.max(axis=ax))
+
+
+def _bound(spec, x, dtype):
+    """Largest |decoded - input| the reference writer allows per element (KVW-LOSSY-5,
+    spec/codecs.md section 3.1): one exact step plus the scale dtype's precision at the
+    group's magnitude plus the header dtype's rounding (fp8: its significand); float64."""
+    y = x.astype(np.float64)
+    hdr = 2.0 ** (1 - PRECISION[dtype]) * np.abs(y) + SMALLEST[dtype] + 2.0 ** -20 * np.abs(y)
+    if spec.codec == "fp8":
+        amax = np.broadcast_to(_groups(spec, y), y.shape)
+        m = {"f8_e4m3fn": 3, "f8_e4m3fnuz": 3, "f8_e5m2": 2}[spec.fp8_format]
+        fmax = quant.FP8[spec.fp8_format][1]
+        sub = {"f8_e4m3fn": 2.0 ** -9, "f8_e4m3fnuz": 2.0 ** -10, "f8_e5m2": 2.0 ** -16}[spec.fp8_format]
+        return 2.0 ** -m * np.abs(y) + amax / fmax * sub + 2.0 ** -149 + hdr + 2.0 ** -20 * amax
+    b, p = spec.bits, PRECISION[spec.scale_dtype]
+    with np.errstate(over="ignore"):
+        return _int_bound(spec, y, b, p) + hdr
+
+
+def _int_bound(spec, y, b, p):
+    if spec.symmetric:
+        step = quant.group_reduce(np.abs(y), spec, lambda k, ax: k.max(axis=ax)) / ((1 << (b - 1)) - 1)
+    else:
+        step = quant.group_reduce(y, spec, lambda k, ax: k.max(axis=ax) - k.min(axis=ax)) / ((1 << b) - 1)
+    per = step + 2.0 ** (3 - p) * _groups(spec, y)
+    out = np.empty_like(y)
+    quant.group_apply(out, [per], spec, lambda blk, s: np.broadcast_to(s, blk.shape))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entry=st.sampled_from(EXTREME_SPECS), dtype=st.sampled_from(sorted(DTYPES)),
+       pattern=st.sampled_from(["max", "mixed", "subnormal", "zero-groups", "gauss"]), e=st.floats(-160, 130),
+       H=st.integers(1, 2), T=st.integers(1, 40), D=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_lossy5_decoded_values_are_finite_not_all_zero_and_within_the_bound(entry, dtype, pattern, e, H, T, D, seed):
+    """KVW-LOSSY-5, every lossy preset and int_affine variant, f16/bf16/f32 header dtypes,
+    input anywhere in the dtype's finite range: either the writer refuses the chunk
+    (``NotFaithful``: the container stores it losslessly) or (a) every element decodes
+    finite, (b) every group with a nonzero element decodes to a nonzero value, and (c)
+    |decoded - input| <= step + 2^(3-p) * amax + the header dtype's rounding, per element
+    (``_bound``). Presets never refuse ordinary data (test below)."""
+    spec = _spec(entry)
+    x = _extreme(np.random.default_rng(seed), dtype, (H, T, D), pattern,
+                 min(e, np.log2(LARGEST[dtype]) - 1))
+    lay = quant.layout(spec, dtype, H, D, 0, T, 0, 10**6)
+    try:
+        body = _join(quant.encode(spec, x, lay, dtype))
+    except quant.NotFaithful as err:
+        assert "KVW-LOSSY-5" in str(err)
+        return
+    out = quant.decode(spec, body, lay, dtype).astype(np.float32)
+    if T * D <= 200:
+        assert out.astype(DTYPES[dtype]).tobytes() == ref.decode(spec, dtype, body, H, T, D, 0, 0, 10**6)
+    assert np.isfinite(out).all()
+    live = _groups(spec, x) > 0
+    assert (_groups(spec, out)[live] > 0).all()
+    err, bound = np.abs(out.astype(np.float64) - x.astype(np.float64)), _bound(spec, x, dtype)
+    assert np.isfinite(bound).all()  # a group whose range overflows fp32 is refused
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("entry", PRESET_SPECS, ids=lambda e: f"{e[0]}-{e[1]}")
+def test_lossy5_presets_encode_ordinary_data_without_fallback(entry, dtype):
+    """KVW-LOSSY-5: the checks refuse only extremes: Gaussian K/V from 1e-3 to 1e3 (and
+    zero groups) encode with every preset in every header dtype."""
+    spec = _spec(entry)
+    rng = np.random.default_rng(1)
+    for scale in (1e-3, 1.0, 1e3):
+        x = (rng.standard_normal((2, 64, 128)) * scale).astype(DTYPES[dtype])
+        x[:, :3] = 0
+        lay = quant.layout(spec, dtype, 2, 128, 0, 64, 0, 10**6)
+        quant.decode(spec, _join(quant.encode(spec, x, lay, dtype)), lay, dtype)
+
+
+@pytest.mark.parametrize("dtype, preset, value", [
+    ("f16", "int8", 65504.0), ("f16", "int4-g32", 65504.0), ("f16", "kivi2", -65504.0), ("f16", "kivi4", 65504.0),
+    ("f32", "fp8-e4m3", 3.4028234663852886e38), ("bf16", "int8-asym", 3.3895313892515355e38)])
+def test_lossy5_largest_finite_values_never_decode_to_infinity(dtype, preset, value):
+    """KVW-LOSSY-5 (a): +-max finite (the issue's f16 +-65504 under int8 / int4-g32: the f16
+    scale rounded up and 127 * scale overflowed) decodes finite, or the chunk is refused."""
+    spec = _spec((preset, "k"))
+    x = np.full((1, 4, 32), value, np.float32)
+    x[0, ::2, 1::2] *= -1
+    x = x.astype(DTYPES[dtype])
+    lay = quant.layout(spec, dtype, 1, 32, 0, 4, 0, 10**6)
+    try:
+        out = quant.decode(spec, _join(quant.encode(spec, x, lay, dtype)), lay, dtype).astype(np.float32)
+    except quant.NotFaithful:
+        assert (dtype, preset) == ("bf16", "int8-asym")  # max - min = 2 * max overflows fp32
+        return
+    assert np.isfinite(out).all()
+    assert (np.abs(out - x.astype(np.float32)) <= abs(value) * 2 ** -6).all()
+
+
+@pytest.mark.parametrize("dtype, preset", [("f16", "int8"), ("f16", "int4-g32"), ("f16", "kivi4"),
+                                           ("f32", "int8-asym"), ("f32", "fp8-e4m3")])
+def test_lossy5_tiny_values_never_decode_to_all_zero(dtype, preset):
+    """KVW-LOSSY-5 (b): values near 1e-7 in f16 (the issue: the int8 scale underflowed f16
+    and everything decoded to 0) and near the f32 smallest subnormal keep their values."""
+    spec = _spec((preset, "k"))
+    unit = SMALLEST[dtype]
+    x = (np.arange(-16, 16, dtype=np.float64).reshape(1, 1, 32).repeat(4, axis=1) * unit).astype(DTYPES[dtype])
+    lay = quant.layout(spec, dtype, 1, 32, 0, 4, 0, 10**6)
+    out = quant.decode(spec, _join(quant.encode(spec, x, lay, dtype)), lay, dtype)
+    bits = 8 if preset.startswith(("int8", "fp8")) else 4
+    if bits == 8:
+        assert out.tobytes() == x.tobytes()  # small multiples of the smallest subnormal: exact
+    assert (out != 0).sum() >= (x != 0).sum() // 2 and np.isfinite(out.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype, preset, scale", [("bf16", "int8", 1e-7), ("f32", "int4-g32", 1e-30),
+                                                  ("bf16", "kivi2", 1e30), ("f32", "int8", 1e8)])
+def test_lossy5_scales_the_scale_dtype_cannot_hold_are_refused(dtype, preset, scale):
+    """KVW-LOSSY-5: f16 scales for values the f16 range cannot scale (bf16 1e-7 under int8,
+    f32 1e30 under kivi2) are refused rather than decoded to 0 or infinity (KVW-INT-6 once
+    raised for overflow only, and encoded underflow silently)."""
+    spec = _spec((preset, "k"))
+    x = (np.random.default_rng(0).standard_normal((1, 40, 32)) * scale).astype(DTYPES[dtype])
+    lay = quant.layout(spec, dtype, 1, 32, 0, 40, 0, 10**6)
+    with pytest.raises(quant.NotFaithful, match="KVW-LOSSY-5"):
+        quant.encode(spec, x, lay, dtype)
+
+
+@pytest.mark.parametrize("spec", [CodecSpec("fp8"), CodecSpec("int_affine", bits=4, group_size=4)])
+def test_lossy6_non_finite_input_is_refused_by_the_codec(spec):
+    """KVW-LOSSY-6: NaN or an infinity in the quantized part: the writer stores the chunk
+    losslessly (``NotFaithful``); fp8 encodes them only when asked (KVW-FP8-5)."""
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones((1, 2, 4), np.float16)
+        x[0, 1, 2] = bad
+        lay = quant.layout(spec, "f16", 1, 4, 0, 2, 0, 2)
+        with pytest.raises(quant.NotFaithful, match="KVW-LOSSY-6"):
+            quant.encode(spec, x, lay, "f16")

@@ -355,7 +355,7 @@ def test_mla_container_into_attention_buffers_is_an_error():
     (lambda: layouts.bind("nope.layout", []), "unknown layout"),
 ])
 def test_bind_errors(bad, match):
-    with pytest.raises((LayoutMismatchError, TypeError, KeyError), match=match):
+    with pytest.raises((LayoutMismatchError, TypeError, ValueError), match=match):
         bad()
 
 

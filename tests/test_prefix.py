@@ -183,10 +183,10 @@ def test_prefix_index_longest_match():
     assert idx.lookup(base, FP, 4) == kvwire.model.prefix.Hit("tail", 32)
 
 
-def test_prefix_chain_longer_than_a_header_vector_is_refused_by_the_writer():
-    """KVW-LIM-1: 32 bytes per chunk must fit a 1 MiB vector; the writer says so before writing."""
+def test_prefix_chain_longer_than_its_limit_is_refused_by_the_writer():
+    """KVW-PREFIX-7: up to 2^18 token chunks (2^23 bytes of hashes) are written and read back
+    (40,000 chunks: over the old 2^20-byte cap); one chunk more, the writer says so before writing."""
     toks = np.arange(40000) % 1000
-    h = header(toks, 1)
-    with pytest.raises(ValueError, match="prefix chain"):
-        build_header(h)
-    assert parse_header(build_header(header(toks, 64))).prefix.hashes == kvwire.prefix_hashes(toks, 64, FP)
+    assert parse_header(build_header(header(toks, 1))).prefix.hashes == kvwire.prefix_hashes(toks, 1, FP)
+    with pytest.raises(ValueError, match="KVW-PREFIX-7"):
+        build_header(header(np.arange((1 << 18) + 1) % 1000, 1))

@@ -296,12 +296,135 @@ def test_hdr8_too_many_tables(monkeypatch):
     expect(data, LimitError, "FB_TOO_COMPLEX", "KVW-HDR-8")
 
 
-def test_hdr8_table_budget_exceeds_what_the_other_limits_allow():
-    """Finding: every table visit is bounded by a vector limit, so MAX_FB_TABLES is never
-    the limit that fires. Root + arch + layer specs + their ropes + arch rope + producer +
-    model + metadata entries is the most a header can visit."""
-    most = 1 + 1 + 2 * L.MAX_LAYERS + 1 + 1 + 1 + L.MAX_METADATA_ENTRIES
-    assert most < L.MAX_FB_TABLES
+def _budget_dag(kind: str, **kw) -> bytes:
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "conformance"))
+    try:
+        import add_parse_budget
+    finally:
+        sys.path.pop(0)
+    return add_parse_budget.dag_header(kind, **kw)
+
+
+def test_hdr8_table_count_reachable_within_the_count_limits():
+    """KVW-HDR-8: the old rationale ("a valid header visits at most about 12,300 tables")
+    was wrong. Unreferenced layer specs sharing one state_tensors vector of 64 tables reach
+    65,520 visits at 1008 specs (accepted) and 65,538 at 1009 (FB_TOO_COMPLEX). Padding
+    (unreferenced bytes) raises the parse budget (KVW-LIM-7) above those visits, so the
+    table count is the check that fires."""
+    pad = bytes(400 << 10)
+    h = kvwire.probe(forge.wrap_header(_budget_dag("state_tensors", k=1008, size=64) + pad))
+    assert h.num_layers == 1
+    expect(forge.wrap_header(_budget_dag("state_tensors", k=1009, size=64) + pad), LimitError, "FB_TOO_COMPLEX",
+           "KVW-HDR-8")
+
+
+# ---------------------------------------------------------------------------------------
+# KVW-LIM-7: the parse budget
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,kw", [
+    ("metadata", dict(k=64, size=2048)), ("rope_factors", dict(k=64, size=256)),
+    ("layer_spec", dict(k=1024, size=8)), ("state_tensors", dict(k=64, size=64)),
+], ids=["metadata-value", "rope-factors", "layer-spec", "state-tensors"])
+def test_lim7_shared_objects_exceed_the_parse_budget(kind, kw):
+    """KVW-LIM-7: a header DAG (many references to one object) is rejected with
+    FB_TOO_COMPLEX; the same header with one copy per reference is accepted, so the
+    budget is the only rule it breaks. (Before the budget, all four were accepted.)"""
+    expect(forge.wrap_header(_budget_dag(kind, **kw)), LimitError, "FB_TOO_COMPLEX", "KVW-LIM-7")
+    with kvwire.open(forge.wrap_header(_budget_dag(kind, shared=False, **kw))) as r:
+        r.validate()
+
+
+def test_lim7_dag_amplification_memory_and_time_are_bounded():
+    """KVW-LIM-7, the reported attack: 4096 metadata entries sharing one 1 MiB value, a
+    1.1 MB header that passes every count limit. probe() used to materialise 4 GiB (17 s)
+    and accept it; now it is rejected after decoding at most 8 x length + 65,536 bytes'
+    worth, and its peak allocation is bounded by a small multiple of the header."""
+    import time
+    import tracemalloc
+
+    data = forge.wrap_header(_budget_dag("metadata", k=4096, size=1 << 20))
+    assert 1_000_000 < len(data) < 1_200_000
+    tracemalloc.start()
+    try:
+        t0 = time.perf_counter()
+        with raises_code(LimitError, "FB_TOO_COMPLEX", "KVW-LIM-7"):
+            kvwire.probe(data)
+        elapsed = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(data) + (4 << 20), peak
+    assert elapsed < 5, elapsed
+
+
+def _spent(hb: bytes) -> tuple[int, int]:
+    """(units charged, budget) of parsing header bytes ``hb``."""
+    import kvwire.format.flatbuf as F
+    from kvwire.format.header import parse_header
+
+    seen = []
+    orig = F.Buffer.__init__
+
+    def record(self, *a, **k):
+        orig(self, *a, **k)
+        seen.append(self)
+
+    F.Buffer.__init__ = record
+    try:
+        parse_header(hb)
+    finally:
+        F.Buffer.__init__ = orig
+    return seen[0].spent, seen[0].budget
+
+
+def test_lim7_budget_is_generous_for_the_largest_real_headers():
+    """KVW-LIM-7: the reference writer's largest realistic headers cost about one unit per
+    header byte, far below the budget of 8 per byte: a 4096-layer model with distinct
+    layer specs sharing a longrope RoPE table, 4096 metadata entries, all fingerprints, a
+    layer map and a 1M-token prefix chain; and a 4096-layer hybrid model whose layers all
+    have distinct state tensors."""
+    from kvwire.format.crossmodel import PrefixChain, StateTensor
+    from kvwire.format.header import Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, RopeParams
+    from kvwire.format.header import build_header
+
+    n = L.MAX_LAYERS
+    rope = RopeParams("longrope", 10000.0, 128, False, 32.0, 4096, short_factor=tuple(1 + i / 64 for i in range(64)),
+                      long_factor=tuple(2 + i / 64 for i in range(64)))
+    specs = tuple(LayerSpec("sliding_attention" if i % 2 else "full_attention", 1 + i % 64, 128, 128,
+                            window=(4096 + i) if i % 2 else 0, rope=rope) for i in range(n))
+    model = ModelIdentity("llama", "org/model", "main", bytes(32), bytes(32), bytes(32), bytes(32), "transformers",
+                          "4.50", bytes(32 * n), 1)
+    h = Header(Architecture(specs, rope=rope), token_count=1 << 20, first_position=256, chunk_tokens=256,
+               model=model, metadata={f"app.key{i:04d}": bytes(64) for i in range(4096)},
+               prefix=PrefixChain(1, bytes(32), bytes(32 * 4096)), layer_map=tuple(LayerMapEntry(i, i) for i in range(n)))
+    hb = build_header(h)
+    spent, budget = _spent(hb)
+    assert spent < 1.3 * len(hb) and spent < budget / 6, (spent, len(hb), budget)
+    st = tuple(LayerSpec("state", state_tensors=(StateTensor("conv", (1, 4, 8192 + i)),
+                                                 StateTensor("ssm", (1, 64, 128, i + 1)))) for i in range(n))
+    hb = build_header(Header(Architecture(st), token_count=100, required_features=4))
+    spent, budget = _spent(hb)
+    assert spent < 1.4 * len(hb) and spent < budget / 5, (spent, len(hb), budget)
+
+
+def test_lim7_shared_rope_table_is_exempt_and_decoded_once():
+    """KVW-LIM-7 exemption: the reference writer shares one RopeParams table among the
+    layer specs that use it. 4096 specs sharing a table of 2 x 4096 factors would cost
+    256 MiB of factor bytes if each reference were charged; the revisits cost a table visit
+    each, and every layer gets the same decoded object."""
+    from kvwire.format.header import Architecture, Header, LayerSpec, RopeParams, build_header, parse_header
+
+    rope = RopeParams("longrope", 1e4, 8192, False, 8.0, 4096, short_factor=(1.0,) * 4096, long_factor=(2.0,) * 4096)
+    specs = tuple(LayerSpec("full_attention", 1 + i % 64, 64 + i // 64, 64, rope=rope) for i in range(L.MAX_LAYERS))
+    hb = build_header(Header(Architecture(specs), token_count=0, chunk_tokens=16))
+    assert len(hb) < 300_000
+    h = parse_header(hb)
+    assert all(s.rope is h.arch.layers[0].rope for s in h.arch.layers) and h.arch.layers[0].rope == rope
+    spent, budget = _spent(hb)
+    assert spent < 3 * len(hb) and spent < budget / 2, (spent, len(hb), budget)
 
 
 # =======================================================================================

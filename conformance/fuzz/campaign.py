@@ -9,7 +9,9 @@
 every gold vector, runs the atheris target (fuzz_reader.py) for ``--seconds`` —
 restarting libFuzzer after each finding, so one crash does not end the campaign — then
 the hypothesis state machine for ``--hypothesis-seconds``. Findings (crashes: any
-exception other than FormatError, reader disagreements; timeouts; out-of-memory) are
+exception other than FormatError, reader disagreements, the memory oracle's
+over-allocations (``harness.OverAllocation``: a peak allocation above 64 bytes per input
+byte + 6 per decoded byte + 16 MiB); timeouts; out-of-memory) are
 copied to conformance/fuzz/findings/ with a reproduction report. Without atheris the
 whole budget goes to the state machine.
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -123,6 +124,8 @@ def run_hypothesis(seconds: float, findings: Path, *, log=print) -> dict:
 
     from statemachine import ContainerMutations
 
+    import harness
+
     stats = {"examples": 0, "steps_per_example": 20, "seconds": 0.0, "findings": []}
     t0 = time.monotonic()
     batch = 0
@@ -142,6 +145,7 @@ def run_hypothesis(seconds: float, findings: Path, *, log=print) -> dict:
             break
         stats["examples"] += 50
     stats["seconds"] = round(time.monotonic() - t0, 1)
+    stats["memory_oracle"] = dict(harness.MEMORY)  # inputs checked, largest peak and its input's size
     return stats
 
 
@@ -225,8 +229,10 @@ def main(argv=None) -> int:
     if hyp > 0:
         out["hypothesis"] = run_hypothesis(hyp, a.findings)
         s = out["hypothesis"]
+        m = s["memory_oracle"]
         print(f"hypothesis: {s['examples']} examples x up to {s['steps_per_example']} steps in {s['seconds']} s, "
-              f"{len(s['findings'])} findings", flush=True)
+              f"{len(s['findings'])} findings; memory oracle: {m['inputs']} inputs, largest peak "
+              f"{m['max_peak'] / 2**20:.1f} MiB (input of {m['largest_input']} bytes)", flush=True)
     findings = sum(len(v["findings"]) for v in out.values() if v)
     out["findings"] = findings
     if a.json:

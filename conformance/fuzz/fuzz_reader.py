@@ -6,8 +6,11 @@
 Usually run through ``campaign.py`` (``make fuzz``), which seeds the corpus from the
 gold vectors and turns findings into regression vectors. Three of four mutations are
 "resealed" (every checksum recomputed, see harness.reseal) so that they reach the
-parsers behind the checksums. A finding is any exception other than ``FormatError``
-(including ``harness.Differential``), a timeout or running out of memory.
+parsers behind the checksums, and one in eight is structure-aware instead: one chunk
+record field set to an interesting value in its frame, the index or both
+(``mutators.edit_record``). A finding is any exception other than ``FormatError``
+(including ``harness.Differential`` and the memory oracle's ``harness.OverAllocation``),
+a timeout or running out of memory.
 """
 
 import os
@@ -20,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 with atheris.instrument_imports(include=["kvwire", "harness"]):
     import harness
     import kvwire  # noqa: F401
+    import mutators
 
 
 def test_one_input(data: bytes) -> None:
@@ -27,6 +31,12 @@ def test_one_input(data: bytes) -> None:
 
 
 def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
+    if seed % 8 == 0:
+        fields = sorted(mutators.RECORD_FIELDS)
+        value = mutators.INTERESTING[(seed >> 3) % len(mutators.INTERESTING)] if seed & 0x800 else seed * 0x9E3779B1
+        field = fields[(seed >> 8) % len(fields)]
+        where = mutators.WHERE[(seed >> 12) % len(mutators.WHERE)]
+        return mutators.edit_record(bytes(data), seed >> 14, field, value, where)[:max_size]
     out = atheris.Mutate(data, max_size)
     if seed % 4:
         out = harness.reseal(out)

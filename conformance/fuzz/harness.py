@@ -7,7 +7,13 @@
   (an ``IndexError``, a ``struct.error``, a hang, a huge allocation) is a finding;
 * both readers accept or both reject (a parser differential is a finding), and when
   both accept they return the same chunks, byte for byte;
-* every decoded tensor is touched (summed), so lazily mapped or mis-sized views fail here.
+* every decoded tensor is touched (summed), so lazily mapped or mis-sized views fail here;
+* the memory oracle: the peak of Python-tracked allocations (``tracemalloc``: Python
+  objects, numpy arrays, zstd output) while both readers run stays within
+  ``memory_bound(len(data), decoded)`` = 64 bytes per input byte + 6 per decoded byte +
+  16 MiB. More is an ``OverAllocation`` finding: an allocation that neither the input's
+  bytes nor a limit-checked decoded size justifies (a header DAG, a declared length
+  allocated before its bytes arrive), found by the fuzzer rather than by a reviewer.
 
 ``reseal(data)`` recomputes every checksum it can find (preamble check, header
 checksum, frame checks, body checksums, end frame count and digest, index checksum), so
@@ -20,12 +26,27 @@ so that inputs which legitimately declare gigabytes do not exhaust the fuzzer's 
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 MAX_DECODED = 64 << 20
+MEM_PER_INPUT_BYTE = 64
+MEM_PER_DECODED_BYTE = 6  # the decoded cache, iter_chunks, and both readers' chunk copies kept here
+MEM_BASE = 16 << 20
+MEMORY = {"inputs": 0, "max_peak": 0, "max_peak_per_byte": 0.0, "largest_input": 0}  # figures for campaign reports
 
 
 class Differential(AssertionError):
     """The random-access and the sequential reader disagree about an input."""
+
+
+class OverAllocation(AssertionError):
+    """Reading an input allocated more than ``memory_bound`` allows."""
+
+
+def memory_bound(input_length: int, decoded: int) -> int:
+    """Peak bytes the readers may allocate for an input of ``input_length`` bytes that
+    decodes (or declares, limit-checked) ``decoded`` bytes."""
+    return MEM_PER_INPUT_BYTE * input_length + MEM_PER_DECODED_BYTE * decoded + MEM_BASE
 
 
 def _touch(x) -> int:
@@ -48,14 +69,46 @@ def _touch_all(obj) -> None:
         _touch(obj)
 
 
-def check(data: bytes) -> str:
-    """Run both readers on ``data``; return "ok" or the error code. Raises on a finding."""
+def check(data: bytes, *, memory: bool = True) -> str:
+    """Run both readers on ``data``; return "ok" or the error code. Raises on a finding
+    (``Differential``, ``OverAllocation`` with ``memory``, anything not a FormatError)."""
+    if not memory:
+        return _check(data)[0]
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        outcome, decoded = _check(data)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if started:
+            tracemalloc.stop()
+    n = len(data)
+    MEMORY["inputs"] += 1
+    if peak > MEMORY["max_peak"]:
+        MEMORY["max_peak"], MEMORY["largest_input"] = peak, n
+    MEMORY["max_peak_per_byte"] = max(MEMORY["max_peak_per_byte"], round(peak / max(n, 1), 1))
+    bound = memory_bound(n, decoded)
+    if peak > bound:
+        raise OverAllocation(f"peak allocation {peak} bytes for a {n}-byte input decoding {decoded} bytes "
+                             f"(bound {bound}); outcome {outcome}")
+    return outcome
+
+
+def _check(data: bytes) -> tuple[str, int]:
+    """(outcome, decoded bytes): the decoded bytes are the records' limit-checked
+    ``raw_length`` sum when the random-access reader got that far, or the chunk bytes the
+    sequential reader produced, whichever is larger."""
     import kvwire
     from kvwire.format.errors import FormatError
 
     ra_chunks = {}
+    declared = 0
     try:
         with kvwire.open(data, max_decoded_bytes=MAX_DECODED) as r:
+            declared = min(int(r.records["raw_length"].sum()), MAX_DECODED) if len(r.records) else 0
             r.validate()
             cache = r.load()
             _touch_all(cache.layers)
@@ -86,7 +139,7 @@ def check(data: bytes) -> str:
         raise Differential(f"random-access reader: {ra}, sequential reader: {seq}")
     if ra == "ok" and ra_chunks != seq_chunks:
         raise Differential("both readers accept but decode different chunks")
-    return ra
+    return ra, max(declared, sum(map(len, seq_chunks.values())))
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,7 +189,7 @@ def _reseal(b: bytearray) -> None:
             struct.pack_into("<I", b, pos + 4, check32(bytes(b[pos + 8 : pos + 64])))
             records.append(bytes(b[pos + 8 : pos + 64]))
             if off != pos + 64 or off + length > n:
-                return
+                break  # the frames end here; the index checksum below is still recomputed
             pos = next_frame_offset(off + length, alignment)
         elif marker == END_MARKER:
             recs = b"".join(records)

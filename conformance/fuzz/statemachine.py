@@ -2,9 +2,12 @@
 
 Each run starts from a valid gold vector and applies a sequence of mutations: byte and
 bit edits, insertions, deletions, truncation, appended junk, edits of a chunk record
-field (located by walking the frames), edits of header bytes, and "reseal" steps that
-recompute every checksum (harness.reseal). After every step the reader contract
-(harness.check) must hold. Used by tests/test_fuzz_statemachine.py (a bounded run in
+field (located by walking the frames), structure-aware edits of one record field in its
+frame, in the file-form index or in both at once (``mutators.edit_record``: checksums,
+index and end frame digest recomputed, so the record and layout checks run, not only the
+checksums), edits of header bytes, and "reseal" steps that recompute every checksum
+(harness.reseal). After every step the reader contract (harness.check, memory oracle
+included) must hold. Used by tests/test_fuzz_statemachine.py (a bounded run in
 ``make test``) and by campaign.py (``make fuzz``).
 """
 
@@ -17,39 +20,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from harness import check, reseal
+from mutators import INTERESTING, RECORD_FIELDS, WHERE, edit_record, frame_positions
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 SEEDS = sorted(VECTORS.glob("*/valid/*.kvw"))
-RECORD_FIELDS = {  # name -> (offset in the record, struct format)
-    "offset": (0, "<Q"), "stored_length": (8, "<Q"), "raw_length": (16, "<Q"), "checksum": (24, "<Q"),
-    "token_start": (32, "<I"), "token_count": (36, "<I"), "layer": (40, "<H"), "component": (42, "<B"),
-    "codec": (43, "<B"), "flags": (44, "<H"), "head_start": (46, "<H"), "head_count": (48, "<H"),
-    "reserved0": (50, "<H"), "reserved1": (52, "<I"),
-}
-INTERESTING = [0, 1, 2, 3, 7, 8, 63, 64, 255, 256, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
-               2**63, 2**64 - 1]
-
-
-def frame_positions(data: bytes) -> list:
-    """Positions of the chunk frames found by walking the layout rule (best effort)."""
-    from kvwire.format.container import CHUNK_MARKER, MAGIC, next_frame_offset
-    from kvwire.format.header import parse_header
-
-    if len(data) < 32 or data[:8] != MAGIC:
-        return []
-    hlen = struct.unpack_from("<I", data, 12)[0]
-    try:
-        a = parse_header(data[32 : 32 + hlen]).alignment
-    except Exception:  # noqa: BLE001
-        a = 64
-    pos, out = next_frame_offset(32 + hlen, a), []
-    while pos + 64 <= len(data) and data[pos : pos + 4] == CHUNK_MARKER and len(out) < 1024:
-        out.append(pos)
-        off, length = struct.unpack_from("<QQ", data, pos + 8)
-        if off != pos + 64:
-            break
-        pos = next_frame_offset(off + length, a)
-    return out
+__all__ = ["ContainerMutations", "INTERESTING", "RECORD_FIELDS", "SEEDS", "frame_positions"]
 
 
 class ContainerMutations(RuleBasedStateMachine):
@@ -105,6 +80,11 @@ class ContainerMutations(RuleBasedStateMachine):
         struct.pack_into(fmt, self.data, frames[i % len(frames)] + 8 + off, value)
         if seal:
             self.data = bytearray(reseal(bytes(self.data)))
+
+    @rule(i=st.integers(0, 1023), field=st.sampled_from(sorted(RECORD_FIELDS)),
+          value=st.one_of(st.sampled_from(INTERESTING), st.integers(0, 2**64 - 1)), where=st.sampled_from(WHERE))
+    def edit_record_structured(self, i, field, value, where):
+        self.data = bytearray(edit_record(bytes(self.data), i, field, value, where))
 
     @rule(where=st.floats(0, 1, exclude_max=True), value=st.integers(0, 255))
     def edit_header(self, where, value):

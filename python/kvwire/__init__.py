@@ -4,7 +4,7 @@ First screen of the API::
 
     kvwire.save(path, cache)            # atomic file write
     kvwire.load(path_or_bytes)          # a KVCache with checksums verified
-    kvwire.open(path_or_bytes)          # Reader: header + zero-copy chunk views
+    kvwire.open(path_or_bytes)          # Reader: header + chunk views (mmap=: mapped or read, see open)
     kvwire.probe(first_bytes)           # the header alone, from the first bytes
     kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
     kvwire.layouts.bind(name, buffers)  # engine buffers (vLLM, SGLang, LMCache...) <-> chunks
@@ -12,8 +12,9 @@ First screen of the API::
     kvwire.check_compatible(header, local_model)     # exact / convertible / incompatible
     kvwire.adapters.hf.from_hf(cache, model)         # transformers DynamicCache <-> KVCache
 
-The package uses relative imports only and keeps no global state, so it can be
-vendored under another name.
+The package uses relative imports only and keeps no global state (beyond a per-process
+note of file systems that refuse to link unnamed temporary files), so it can be vendored
+under another name.
 """
 
 from .cache.kvcache import KVCache

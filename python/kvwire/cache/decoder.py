@@ -11,13 +11,15 @@ the order the bytes arrive.
 Two input styles, one per decoder:
 
 * ``feed(data)``: the transport reads into its own buffer and hands the bytes over; the
-  decoder copies them into an internal bytearray (and each body out of it once).
+  decoder copies them into an internal bytearray; a raw body is copied out of it once, a
+  zstd body is decompressed from it straight into the event's buffer or the placement.
 * ``read_targets()`` / ``filled(n)``: the decoder names the writable buffers the next
   bytes must go to, exactly as many bytes as it needs next and never more, and the
   transport fills them with ``recv_into``, ``recvmsg_into`` or ``os.readv``. Bodies land
   in place: with ``placement``, a raw body goes straight into the caller's
   preallocated tensor (one kernel copy, no user-space copy); without it, into a buffer
-  that the event owns. Because the decoder never asks for bytes past the end frame, a
+  that the event owns. A compressed body is received into a buffer that grows as its
+  bytes arrive (its declared length sizes nothing, KVW-LIM-8). Because the decoder never asks for bytes past the end frame, a
   transport can read back-to-back containers (KVW-STREAM-3) without over-reading.
 
 ``stop_at_end=True`` makes the end frame final: nothing after it is parsed as a
@@ -85,6 +87,7 @@ class StreamDecoder(PlacementMixin):
         self._dst_pieces: list | None = None  # its byte buffers
         self._pieces: list | None = None  # where the current body is received ("into" mode)
         self._got = 0  # body bytes received into _pieces
+        self._cap = 0  # bytes _pieces hold now (a compressed body's buffer grows to stored_length, KVW-LIM-8)
         self.header: Header | None = None
         self._buf = bytearray()
         self._base = 0  # absolute offset of _buf[0]
@@ -242,13 +245,7 @@ class StreamDecoder(PlacementMixin):
         self._state = "body"
         self._dst, self._dst_pieces = self._place(rec)
         if self._mode == "into":
-            if self._dst is not None and rec[REC_CODEC] == 0:  # raw: straight into place
-                if self._dst_pieces is None:
-                    self._dst_pieces = head_pieces(self._dst)
-                self._pieces = self._dst_pieces
-            else:
-                self._pieces = [memoryview(bytearray(rec[REC_STORED]))]  # owned by the event (raw) or decoded (zstd)
-            self._got = 0
+            self._receive_body(rec)
         return False
 
     def _fast_slot(self, rec: tuple) -> int | None:
@@ -283,9 +280,10 @@ class StreamDecoder(PlacementMixin):
         if comp == "state":  # one named state tensor in its own shape and dtype (spec/crossmodel.md)
             dtype, shape = state_tensor_of(self.header, layer, rec[REC_HEAD0])
         dst, pieces = self._dst, self._pieces
+        in_buf = pieces is None and (dst is not None or codec != "raw")  # feed mode, read where it lies
         if pieces is not None:  # received in place ("into" mode)
             stored = pieces[0] if len(pieces) == 1 else None
-        elif dst is not None:  # feed mode into a placement: verify in the stream buffer, copy once
+        elif in_buf:  # verified and decoded in the stream buffer (a placement's raw body: copied once)
             stored = memoryview(self._buf)[off - self._base : off + length - self._base]
         else:
             stored = self._buf[off - self._base : off + length - self._base]  # the one copy out of the stream buffer
@@ -296,9 +294,14 @@ class StreamDecoder(PlacementMixin):
                     hasher.update(p)
                 if hasher.intdigest() != rec[REC_CHECKSUM]:
                     raise ChecksumError("BODY_CHECKSUM", f"chunk at {off} body checksum mismatch", rule="KVW-CSUM-1")
+            placed = codec == "raw" and pieces is not None  # a raw body received straight into its placement
             if codec != "raw":
+                out = None
+                if not rec[REC_SPEC]:  # plain zstd decodes straight into its final buffer: no second copy
+                    out = np.empty(rec[REC_RAW], np.uint8) if dst is None else self._dst_pieces or head_pieces(dst)
+                    placed = dst is not None
                 raw = decode_chunk(self.header, codec, rec[REC_SPEC], stored, rec[REC_RAW], shape, layer, rec[REC_T0],
-                                   head=rec[REC_HEAD0] if self.header.sparse is not None else 0)
+                                   out, head=rec[REC_HEAD0] if self.header.sparse is not None else 0)
             else:
                 raw = stored
             if comp == "positions":  # sparse: int64 positions, checked against the previous and next cells
@@ -306,7 +309,7 @@ class StreamDecoder(PlacementMixin):
                                         self.header.sparse.next_position)
                 self._order.add(layer, rec[REC_HEAD0], rec[REC_T0], data)
             elif dst is not None:
-                if pieces is None or codec != "raw":  # not received in place: one copy into the placement
+                if not placed:  # decoded or received aside: one copy into the placement
                     src, at = memoryview(raw).cast("B"), 0
                     for p in self._dst_pieces or head_pieces(dst):
                         p[:] = src[at : at + p.nbytes]
@@ -315,9 +318,15 @@ class StreamDecoder(PlacementMixin):
                 data = dst
             else:
                 data = view(raw if codec == "raw" else writable(raw), 0, dtype, shape, self.backend)
-        finally:
-            if isinstance(stored, memoryview) and pieces is None:
-                stored.release()  # the stream buffer must be resizable again
+        except BaseException:
+            if in_buf:
+                try:
+                    stored.release()
+                except BufferError:  # a frame of the propagating traceback still holds a view of it
+                    pass
+            raise
+        if in_buf:
+            stored.release()  # the stream buffer must be resizable again
         self._dst = self._pieces = self._dst_pieces = None
         self._consume(off + length)
         self._pos = off + length

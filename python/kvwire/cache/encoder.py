@@ -24,6 +24,7 @@ from ..format.container import (
 from ..format.crossmodel import with_state_bit
 from ..format.header import Header, build_header
 from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
+from .args import check_choice, check_count
 from .tensors import as_numpy, as_uint
 
 FORMS = ("file", "stream")
@@ -38,6 +39,7 @@ class Encoder:
         """``codec``: "raw", "zstd", a preset of ``kvwire.codecs.PRESETS``, a ``CodecSpec``, a
         mapping ``{(layer, component): codec}`` or a callable ``(layer, component, token_start)
         -> codec`` (spec/codecs.md); codec specs are added to the header (``Encoder.header``)."""
+        check_header_argument(header)
         header = with_state_bit(header)  # required bits follow from the header (KVW-STATE-1)
         # every chunk's pipeline, known before the header is built (spec/codecs.md; sparse: per head)
         self._plan = CodecPlan(header, codec, level)
@@ -185,8 +187,7 @@ class Encoder:
 
     def end(self, *, form: str = "file") -> list:
         self._expect("chunks", "end")
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}")
+        check_choice("form", form, FORMS)
         if not self._filled.all():
             missing = int(np.argmin(self._filled))
             raise ValueError(f"{int((~self._filled).sum())} chunks were never written (first missing slot {missing})")
@@ -208,13 +209,30 @@ class Encoder:
             raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
 
 
+def check_header_argument(header) -> None:
+    """A ``Header`` whose integer fields are non-negative integers: a wrong value is named here,
+    not reported by the FlatBuffers builder (``bad number -1 for type uint64``)."""
+    if not isinstance(header, Header):
+        raise TypeError(f"need a kvwire.Header, not {type(header).__name__}")
+    for name in ("token_count", "first_position", "required_features", "optional_features"):
+        check_count(f"Header.{name}", getattr(header, name))
+
+
 def iter_buffers(cache, *, form: str = "file", codec="raw", level: int = DEFAULT_ZSTD_LEVEL, **header_changes):
     """Yield the container's buffers (bytes and zero-copy memoryviews) in canonical order.
 
     ``cache`` is a ``KVCache`` or a ``SparseKVCache``; ``header_changes`` override header
     fields for this encoding (``chunk_tokens``, ``alignment``, ``model``, ``metadata`` ...).
     """
+    if not hasattr(cache, "header") or not hasattr(cache, "chunk_arrays"):
+        raise TypeError(f"need a kvwire.KVCache (or SparseKVCache), not {type(cache).__name__}; build one from "
+                        "per-layer tensors with kvwire.KVCache.from_tensors(keys, values)")
+    check_choice("form", form, FORMS)
     if header_changes:
+        unknown = sorted(set(header_changes) - set(Header.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}: the options are form, codec, level and the "
+                            f"Header fields {', '.join(sorted(Header.__dataclass_fields__))}")
         cache = cache.with_header(**header_changes)
     enc = Encoder(cache.header, codec=codec, level=level)
     yield from enc.begin()

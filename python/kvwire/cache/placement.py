@@ -14,6 +14,8 @@ The record field indices (``REC_*``) are shared with the state machine.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..format import registry as R
 from ..format.container import FRAME_SIZE, PREAMBLE_SIZE, next_frame_offset
 from .events import Placed
@@ -26,6 +28,7 @@ REC_HEAD0, REC_HEADS = 10, 11
 REC_SPEC = 12  # reserved0: codec_spec with the codec_specs feature (spec/codecs.md)
 IOV_MAX = 1024  # most buffers one readv / recvmsg_into call accepts on Linux
 TAIL_READ = 64 << 10  # read size after the end frame while looking for a file-form tail
+BODY_FIRST = 4 << 20  # first receive buffer of a compressed body; it doubles as its bytes arrive (KVW-LIM-8)
 
 
 def head_pieces(x) -> list:
@@ -64,6 +67,36 @@ class PlacementMixin:
             raise ValueError("placement arrays must be writable with each head's rows contiguous")
         return dst, None
 
+    def _receive_body(self, rec) -> None:
+        """Where the body of ``rec`` is received in the read-into style. A raw body goes
+        straight into its placement, or into a buffer of ``raw_length`` (bounded by
+        KVW-LIM-4 and the running KVW-LIM-5 sum, both checked) that its event owns. A
+        compressed body's ``stored_length`` is bounded by no limit, so its buffer starts at
+        ``BODY_FIRST`` bytes at most and doubles only when full (``_grow_body``): memory
+        follows the bytes that arrived, never the declared length (KVW-LIM-8)."""
+        stored = rec[REC_STORED]
+        if rec[REC_CODEC] == 0:
+            if self._dst is not None:  # raw: straight into place
+                if self._dst_pieces is None:
+                    self._dst_pieces = head_pieces(self._dst)
+                self._pieces = self._dst_pieces
+            else:  # np.empty: pages are committed only as the bytes land
+                self._pieces = [memoryview(np.empty(stored, np.uint8))]
+            self._cap = stored
+        else:
+            self._cap = min(stored, BODY_FIRST)
+            self._pieces = [memoryview(np.empty(self._cap, np.uint8))]
+        self._got = 0
+
+    def _grow_body(self) -> None:
+        """The full receive buffer of a compressed body, doubled (at most to its ``stored_length``)."""
+        old = self._pieces[0]
+        self._cap = min(self._rec[REC_STORED], 2 * self._cap)
+        new = memoryview(np.empty(self._cap, np.uint8))
+        new[: self._got] = old[: self._got]
+        self._pieces = [new]
+        old.release()
+
     def read_targets(self) -> list:
         """Writable buffers that the next input bytes must fill, in order (at most IOV_MAX).
 
@@ -80,8 +113,11 @@ class PlacementMixin:
                     self._scratch = bytearray(TAIL_READ)
                 return [memoryview(self._scratch)]
             if self._state == "body" and self._pieces is not None:
+                if self._got == self._cap < self._rec[REC_STORED]:
+                    self._grow_body()
                 targets = self._remaining_pieces()
-                if len(targets) < IOV_MAX:  # read ahead: padding and the next frame always follow a body
+                if len(targets) < IOV_MAX and self._cap == self._rec[REC_STORED]:
+                    # read ahead: padding and the next frame always follow a body
                     end = self._rec[REC_OFFSET] + self._rec[REC_STORED]
                     ahead = next_frame_offset(end, self.header.alignment) + FRAME_SIZE - end
                     if len(self._scratch) < ahead:
@@ -104,7 +140,7 @@ class PlacementMixin:
         if nbytes < 0:
             raise ValueError("negative byte count")
         if self._state == "body" and self._pieces is not None:
-            body = min(nbytes, self._rec[REC_STORED] - self._got)
+            body = min(nbytes, self._cap - self._got)
             self._got += body
             self._base += body  # body bytes bypass _buf, which is empty here
             nbytes -= body  # the rest went to the read-ahead at the start of the scratch buffer
@@ -122,6 +158,23 @@ class PlacementMixin:
         if self._state == "body":
             return self._rec[REC_OFFSET] + self._rec[REC_STORED]
         raise AssertionError(self._state)
+
+    def waiting_for(self) -> str:
+        """What the decoder needs next, in words (for a transport's timeout message)."""
+        state = self._state
+        if state in ("preamble", "header"):
+            need = self._needed()
+            return f"the {state} (bytes {min(self.received, need)} of {need})"
+        if state == "frame":
+            return f"the frame after {len(self._records) // 56} chunk frames"
+        if state == "body":
+            rec = self._rec
+            got = self.received - rec[REC_OFFSET]
+            return (f"the body of chunk layer {rec[REC_LAYER]} {R.COMPONENT_BY_CODE[rec[REC_COMP]]} tokens "
+                    f"{rec[REC_T0]}+{rec[REC_COUNT]} ({got} of {rec[REC_STORED]} bytes)")
+        if state == "tail":
+            return "a file-form tail or the end of input"
+        return "nothing (the container is complete)"
 
     def _remaining_pieces(self) -> list:
         if not self._got and len(self._pieces) < IOV_MAX:

@@ -25,6 +25,7 @@ from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedErr
 from ..format.header import Header
 from ..format.state import STATE, state_tensor_of
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
+from .args import BACKENDS, check_choice, check_count, check_index
 from .tensors import as_numpy, as_uint, carve, empty, is_torch, view, writable
 
 
@@ -34,6 +35,10 @@ def probe(first_bytes) -> Header:
     Raises ``TruncatedError`` whose ``needed`` says how many bytes (from the start)
     are required when ``first_bytes`` is too short.
     """
+    try:
+        memoryview(first_bytes)
+    except TypeError:
+        raise TypeError(f"probe() needs a bytes-like object, not {type(first_bytes).__name__}") from None
     return read_header(first_bytes)[0]
 
 
@@ -53,8 +58,15 @@ class ChunkInfo(NamedTuple):
 class Reader:
     """A verified view of one container. Use ``kvwire.open`` to make one."""
 
-    def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, _closer=None):
+    def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, _closer=None, _guard=None):
+        try:
+            memoryview(buffer)
+        except TypeError:
+            raise TypeError(f"Reader needs a bytes-like object (kvwire.open also takes a path), "
+                            f"not {type(buffer).__name__}") from None
+        max_decoded_bytes = check_count("max_decoded_bytes", max_decoded_bytes)
         self._buf = buffer
+        self._guard = _guard  # a mapped file: raises TruncatedError once the file has shrunk (kvwire.open)
         self._readonly = memoryview(buffer).readonly
         self._closer = _closer
         self.size = len(buffer)
@@ -132,6 +144,9 @@ class Reader:
 
     def num_chunks(self, layer: int, component: str) -> int:
         """How many chunks (layer, component) has; 0 when the layer does not store it."""
+        layer = check_index("layer", layer, self.header.num_layers)
+        if component not in R.COMPONENTS:
+            raise ValueError(f"component must be one of {', '.join(map(repr, R.COMPONENTS))}, not {component!r}")
         return int(self.grid.counts[layer, R.COMPONENTS[component]])
 
     # -- record-level access (the package's own layers and engine connectors use these) --
@@ -139,8 +154,10 @@ class Reader:
     def record_index(self, layer: int, component: str, index: int) -> int:
         """Index in ``records`` of the ``index``-th chunk of (layer, component), in token order."""
         n = self.num_chunks(layer, component)
-        if not 0 <= index < n:
-            raise IndexError(f"layer {layer} {component} has {n} chunks, no chunk {index}")
+        if not (isinstance(index, int) and 0 <= index < n):
+            if n == 0:
+                raise ValueError(f"layer {layer} stores no {component!r} chunks")
+            index = check_index(f"chunk index of layer {layer} {component!r}", index, n)
         return int(self.slot_records[self.grid.base[layer, R.COMPONENTS[component]] + index])
 
     def record(self, layer: int, component: str, index: int = 0) -> np.void:
@@ -150,10 +167,12 @@ class Reader:
     def chunk(self, layer: int, component: str = "k", index: int = 0, *, verify: bool = True,
               backend: str = "numpy"):
         """Chunk tensor [heads, tokens, head_dim]; a view into the buffer for raw chunks."""
+        check_choice("backend", backend, BACKENDS)
         return self.decode(self.record_index(layer, component, index), verify, backend)
 
     def iter_chunks(self, *, verify: bool = True, backend: str = "numpy"):
         """(layer, component, token_start, tensor) in container order."""
+        check_choice("backend", backend, BACKENDS)
         for i in range(len(self.records)):
             c = self.info(i)
             yield c.layer, c.component, c.token_start, self.decode(i, verify, backend)
@@ -161,6 +180,8 @@ class Reader:
     def info(self, i: int) -> "ChunkInfo":
         """Record ``i`` as plain Python values (built for all records on first use: numpy
         scalar access per field would cost more than a small chunk's copy)."""
+        if not (isinstance(i, int) and 0 <= i < len(self.records)):
+            i = check_index("record", i, len(self.records))
         if self._infos is None:
             r, layers = self.records, self.header.arch.layers
             cols = [r[f].tolist() for f in ("offset", "stored_length", "raw_length", "checksum", "layer",
@@ -175,6 +196,8 @@ class Reader:
         """(ChunkInfo, stored bytes) of record ``i``: a view of the container, its frame checked
         against the index once (file form) and its checksum verified unless ``verify=False``."""
         c = self.info(i)
+        if self._guard is not None:
+            self._guard()
         stored = memoryview(self._buf)[c.offset : c.offset + c.stored_length]
         if self._frame_checked is not None and not self._frame_checked[i]:
             marker, body = parse_frame(self._buf, c.offset - FRAME_SIZE)
@@ -230,6 +253,8 @@ class Reader:
         """
         if self.header.sparse is not None:
             raise ValueError("a sparse container has per-head token subsets: use sparse_layer() or load()")
+        layer = check_index("layer", layer, self.header.num_layers)
+        check_choice("backend", backend, BACKENDS)
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
         if spec.kind == "state":  # {"state": {name: tensor}} (spec/crossmodel.md)
             return self._state_layer(layer, verify, backend)
@@ -285,6 +310,8 @@ class Reader:
         (or of the one buffer shared by the aliases of an unowned transmitted layer), so a
         layer sent once is decoded once and held once however many receivers use it.
         """
+        receiver_layers = check_count("receiver_layers", receiver_layers)
+        check_choice("backend", backend, BACKENDS)
         out: list = []
         shared: dict[int, dict] = {}  # transmitted layer -> the tensors of its unowned aliases
         for r in range(receiver_layers):
@@ -308,11 +335,14 @@ class Reader:
 
         if self.header.sparse is None:
             raise ValueError("not a sparse container: use layer()")
+        layer = check_index("layer", layer, self.header.num_layers)
+        check_choice("backend", backend, BACKENDS)
         return read_sparse_layer(self, layer, verify=verify, backend=backend, device=device)
 
     def load(self, *, verify: bool = True, backend: str = "numpy", device=None) -> KVCache:
         """The whole cache in memory of its own (one allocation, carved into per-layer tensors);
         a ``SparseKVCache`` for a sparse container."""
+        check_choice("backend", backend, BACKENDS)
         if self.header.sparse is not None:
             from .sparse import read_sparse
 

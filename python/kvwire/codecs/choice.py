@@ -80,8 +80,7 @@ class CodecPlan:
         if c == "raw":
             return "raw", 0, pieces
         if c == "zstd":
-            frame = self._zstd.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-            return ("zstd", 0, [frame]) if len(frame) < raw_length else ("raw", 0, pieces)  # KVW-CHUNK-6
+            return self._lossless(pieces, raw_length)
         h = self.header
         spec = h.codec_specs[c - 1]
         if spec.codec == "byteplane_zstd":
@@ -91,7 +90,10 @@ class CodecPlan:
             return spec.codec, c, stored
         lay = quant.layout(spec, h.dtype, x.shape[0], x.shape[2], token_start, token_start + x.shape[1],
                            *lossy_range(h, layer, head))
-        body = quant.encode(spec, x, lay)
+        try:
+            body = quant.encode(spec, x, lay, h.dtype)
+        except quant.NotFaithful:  # KVW-LOSSY-5/6: this chunk is stored losslessly
+            return self._lossless(pieces, raw_length)
         if spec.lossless != "raw":  # chained stage, kept only when it is shorter (KVW-CSPEC-7)
             joined = b"".join(memoryview(p).cast("B") for p in body)
             if spec.lossless == "zstd":
@@ -101,6 +103,11 @@ class CodecPlan:
             if sum(memoryview(p).nbytes for p in staged) < len(joined):
                 body = staged
         return spec.codec, c, body
+
+    def _lossless(self, pieces: list, raw_length: int):
+        """zstd when its frame is shorter, else raw (KVW-CHUNK-6)."""
+        frame = self._zstd.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        return ("zstd", 0, [frame]) if len(frame) < raw_length else ("raw", 0, pieces)
 
 
 def _takes_head(pick) -> bool:

@@ -20,6 +20,8 @@ import numpy as np
 
 from ..format import registry as R
 from ..format.errors import CodecError
+from . import scales as SC
+from .scales import NotFaithful  # noqa: F401  (re-exported: the writer's refusal)
 
 F32 = np.dtype("<f4")
 FP8 = {  # format -> (numpy dtype, largest finite value)
@@ -263,15 +265,88 @@ def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
 # Encoding (the reference writer's choices; readers need only ``decode``)
 # ---------------------------------------------------------------------------------------
 
-def _amax(block: np.ndarray, axes) -> np.ndarray:
-    a = np.abs(block)
-    a[~np.isfinite(a)] = 0  # NaN and Inf do not set scales (KVW-FP8-5)
-    return a.max(axis=axes) if a.size else np.zeros(1, F32)
+def _fp8_scales(amax: np.ndarray, fmax: float, dt, dtype: str) -> np.ndarray:
+    """fp32 scales ``amax / fmax`` (KVW-FP8-5); where a group is near the header's largest or
+    smallest values, adjusted so that ``amax / scale <= fmax``, ``fmax * scale`` is finite in
+    the header dtype and the largest element does not decode to 0 (KVW-LOSSY-5)."""
+    f = np.float32(fmax)
+    with np.errstate(all="ignore"):
+        s = (amax / f).astype(F32)
+        if SC.safe(amax, max(2.0 ** -125 * fmax, 4 * SC.SMALLEST[dtype]), SC.LARGEST[dtype] / 4):
+            return s  # every scale normal in fp32 and far from overflow: nothing to adjust
+        live = amax > 0
+        s[live & (s == 0)] = np.float32(SC.SMALLEST["f32"])  # underflow: the smallest scale
+        up = live & (amax / s > f)  # rounded down: amax would saturate
+        s[up] = np.nextafter(s[up], np.float32(np.inf))
+        over = ~np.isfinite(SC.to_header(f * s, dtype))
+        s[over] = np.nextafter(s[over], np.float32(0))
+        s[~live | ~np.isfinite(s)] = 1.0  # all-zero groups: scale 1
+        SC.check(np.isfinite(SC.to_header(f * s, dtype)), f"would decode {fmax} * scale to infinity")
+        top = np.clip(amax / s, 0, f).astype(dt).astype(F32) * s
+        SC.check(~live | (SC.to_header(top, dtype) != 0), "with nonzero input would decode to zero")
+    return s
 
 
-def encode(spec, x: np.ndarray, lay: Layout) -> list:
-    """Pieces of the lossy body of chunk ``x`` [H, T, D] (header dtype)."""
+def _int_params(y: np.ndarray, spec, dtype: str):
+    """(scales, zeros or None) in ``scale_dtype`` for [H, M, D] ``y`` (KVW-INT-6,
+    KVW-LOSSY-5): min-max (amax) scales rounded up, so that every element fits the codes.
+    Groups near the header's largest or smallest values are checked: the scale is one unit
+    smaller where the top code would overflow the header dtype, and the chunk is refused
+    (``NotFaithful``) where a group would still decode to infinity or to zero, or where its
+    stored scale is coarser than ``scales.tolerance``."""
+    b, sd = spec.bits, spec.scale_dtype
+    with np.errstate(all="ignore"):
+        if spec.symmetric:
+            qmax = np.float32((1 << (b - 1)) - 1)
+            amax = group_reduce(y, spec, lambda blk, ax: np.abs(blk).max(axis=ax))
+            need, z, zf, big = amax / qmax, None, np.float32(0), amax
+        else:
+            qmax = np.float32((1 << b) - 1)
+            mn = group_reduce(y, spec, lambda blk, ax: blk.min(axis=ax))
+            mx = group_reduce(y, spec, lambda blk, ax: blk.max(axis=ax))
+            amax = np.maximum(-mn, mx)  # NaN propagates: non-finite input fails ``safe``
+            z = mn.astype(R.DTYPES[sd][2])  # to nearest: off by at most 2^-p * amax far from the extremes
+            zf = z.astype(F32)
+            fit = (mx - zf) / qmax
+            need = np.where(fit > 0, fit, 0)  # +0 (never -0: KVW-INT-3) where the zero rounded above max
+        s = SC.round_up(need, sd)
+        PREC = SC.PRECISION[sd]
+        lo = 2.0 ** PREC * SC.SMALLEST[sd]  # amax from which a scale's rounding costs at most 2^-p * amax
+        if SC.safe(amax, max(lo, 4 * SC.SMALLEST[dtype]), min(SC.LARGEST[dtype], SC.LARGEST[sd]) / 4):
+            return s, z  # no group near an extreme: finite, not all-zero and within tolerance
+        SC.check(np.isfinite(amax), "hold NaN or infinity (KVW-INT-6)")
+        if not spec.symmetric:  # the zero rounded down, so that the codes absorb its rounding
+            need = (mx - mn) / qmax  # the exact step, for the tolerance
+            big = np.where(mx >= -mn, mx, mn)  # the element of largest magnitude
+            z = SC.round_dir(mn, sd, up=False)
+            low = ~np.isfinite(SC.to_header(z.astype(F32), dtype))  # past the header's range: round up
+            z[low] = SC.round_dir(mn[low], sd, up=True)
+            zf = z.astype(F32)
+            SC.check(np.isfinite(zf) & np.isfinite(SC.to_header(zf, dtype)) & (zf - mn <= amax * np.float32(
+                2.0 ** (1 - PREC))), f"have a minimum beyond {sd} or {dtype}")
+        f64 = np.float64  # the quotient rounded up once, from its exact value (fp32 may underflow)
+        s = SC.round_up((amax.astype(f64) if spec.symmetric else np.maximum(mx.astype(f64) - zf, 0)) / qmax, sd)
+        top = lambda sc: SC.to_header(qmax * sc.astype(F32) + zf, dtype)  # noqa: E731  decoded top code
+        over = ~np.isfinite(top(s)) & np.isfinite(s)
+        if over.any():
+            s = SC.step_down(s, over)
+        sf = s.astype(F32)
+        SC.check(np.isfinite(sf) & np.isfinite(top(s)), f"span more than {sd} scales or {dtype} can decode")
+        SC.check(sf <= SC.tolerance(need, amax, sd, dtype), f"need a scale finer than {sd} holds (2^-{PREC})")
+        code = np.clip(np.rint(np.divide(big - zf, sf, out=np.zeros_like(sf), where=sf > 0)),
+                       -qmax if spec.symmetric else 0, qmax)
+        SC.check((big == 0) | (SC.to_header(code * sf + zf, dtype) != 0), "with nonzero input would decode "
+                 "to zero")
+    return s, z
+
+
+def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonfinite: bool = False) -> list:
+    """Pieces of the lossy body of chunk ``x`` [H, T, D] (header dtype ``dtype``, by default
+    the one of ``x``). Raises ``NotFaithful`` (a ``ValueError``) for a chunk that KVW-LOSSY-5
+    forbids or, unless ``keep_nonfinite`` (fp8 only: KVW-FP8-5 saturation), whose quantized
+    part holds NaN or infinity (KVW-LOSSY-6, KVW-INT-6)."""
     H, T, P, Q, M = lay.heads, lay.tokens, lay.P, lay.Q, lay.M
+    dtype = dtype or {2: "bf16" if x.dtype == R.DTYPES["bf16"][2] else "f16", 4: "f32"}[x.dtype.itemsize]
     pieces = [np.ascontiguousarray(x[:, :P]).view(np.uint8).reshape(-1),
               np.ascontiguousarray(x[:, T - Q:]).view(np.uint8).reshape(-1)]
     if not M:
@@ -280,42 +355,38 @@ def encode(spec, x: np.ndarray, lay: Layout) -> list:
     if spec.codec == "fp8":
         dt, fmax = FP8[spec.fp8_format]
         axes = {"tensor": None, "head": (1, 2), "token": 2}[spec.scale_granularity]
-        amax = np.asarray(_amax(y, axes), F32).reshape(lay.groups)
-        with np.errstate(all="ignore"):
-            scales = (amax / np.float32(fmax)).astype(F32)
-        scales[~(scales > 0) | ~np.isfinite(scales)] = 1.0  # all-zero (or non-finite) groups: scale 1
+        amax = np.asarray(np.abs(y).max(axis=axes), F32).reshape(lay.groups)  # NaN and Inf propagate
+        if not np.isfinite(amax).all():
+            if not keep_nonfinite:
+                raise NotFaithful("the chunk holds NaN or infinity (KVW-LOSSY-6): stored losslessly instead")
+            a = np.abs(y)
+            a[~np.isfinite(a)] = 0  # NaN and Inf do not set scales (KVW-FP8-5)
+            amax = np.asarray(a.max(axis=axes), F32).reshape(lay.groups)
+        scales = _fp8_scales(amax, fmax, dt, dtype)
         s = scales.reshape({"tensor": (1, 1, 1), "head": (H, 1, 1), "token": (H, M, 1)}[spec.scale_granularity])
         with np.errstate(all="ignore"):
             q = np.clip(y / s, -fmax, fmax).astype(dt)  # saturate; NaN stays NaN; round half to even
         return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), q.view(np.uint8).reshape(-1)]
-    if not np.isfinite(y).all():
-        raise ValueError("int_affine cannot represent NaN or infinity (KVW-INT-6): use fp8 or a lossless codec "
-                         "for this chunk")
-    b, sd = spec.bits, R.DTYPES[spec.scale_dtype][2]
-    with np.errstate(all="ignore"):
-        if spec.symmetric:
-            qmax = (1 << (b - 1)) - 1
-            amax = group_reduce(y, spec, lambda blk, ax: np.abs(blk).max(axis=ax))
-            scale_s = (amax / np.float32(qmax)).astype(sd)
-            zero_s = None
-        else:
-            qmax = (1 << b) - 1
-            mn = group_reduce(y, spec, lambda blk, ax: blk.min(axis=ax))
-            mx = group_reduce(y, spec, lambda blk, ax: blk.max(axis=ax))
-            scale_s = ((mx - mn) / np.float32(qmax)).astype(sd)
-            zero_s = mn.astype(sd)
+    b = spec.bits
+    try:
+        scale_s, zero_s = _int_params(y, spec, dtype)
+    except NotFaithful as e:
+        if "KVW-INT-6" in str(e):
+            raise NotFaithful("int_affine cannot represent NaN or infinity (KVW-INT-6, KVW-LOSSY-6): use fp8 or "
+                              "a lossless codec for this chunk") from None
+        raise
     params = [scale_s] + ([zero_s] if zero_s is not None else [])
-    if not all(np.isfinite(p.astype(F32)).all() for p in params):
-        raise ValueError(f"int_affine: values exceed the range of scale_dtype {spec.scale_dtype} (KVW-INT-6)")
     sc = scale_s.astype(F32)
-    q = y.copy()
+    q = y
     if spec.symmetric:
+        qmax = (1 << (b - 1)) - 1
+
         def quant(blk, s):
             r = np.rint(np.divide(blk, s, out=np.zeros_like(blk), where=s > 0))
             return np.clip(r, -qmax, qmax) + np.float32(1 << (b - 1))
         group_apply(q, [sc], spec, quant)
     else:
-        zs = zero_s.astype(F32)
+        qmax, zs = (1 << b) - 1, zero_s.astype(F32)
 
         def quant(blk, s, z):
             r = np.rint(np.divide(blk - z, s, out=np.zeros_like(blk), where=s > 0))

@@ -50,10 +50,18 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def decode_body(codec: str, stored, raw_length: int, out=None):
     """Raw bytes of a body. ``raw`` returns ``stored`` itself (a view); ``zstd`` decodes,
-    into ``out`` when given (a writable buffer of raw_length bytes)."""
+    into ``out`` when given: a writable buffer of raw_length bytes, or a list of writable
+    byte buffers whose concatenation is (for example one run per head of a placement).
+    With ``out`` a zstd frame is decompressed straight into it, with no intermediate copy."""
+    targets = None if out is None else [memoryview(t).cast("B") for t in (out if isinstance(out, list) else [out])]
+    if targets is not None and sum(t.nbytes for t in targets) != raw_length:
+        raise ValueError(f"out holds {sum(t.nbytes for t in targets)} bytes, the body decodes to {raw_length}")
     if codec == "raw":
-        if out is not None:
-            memoryview(out).cast("B")[:] = memoryview(stored).cast("B")
+        if targets is not None:
+            src, at = memoryview(stored).cast("B"), 0
+            for t in targets:
+                t[:] = src[at : at + t.nbytes]
+                at += t.nbytes
             return out
         return stored
     try:
@@ -69,14 +77,67 @@ def decode_body(codec: str, stored, raw_length: int, out=None):
         raise CodecError("DECODE_FAILED", f"zstd frame header invalid: {exc}", rule="KVW-CODEC-2") from None
     if dict_id:
         raise CodecError("DECODE_FAILED", f"zstd frame needs dictionary {dict_id}", rule="KVW-CODEC-3")
-    try:
+    if targets is not None and _frame_end(stored, raw_length) == memoryview(stored).nbytes:
+        _decompress_into(stored, raw_length, targets)
+        return out
+    try:  # one-shot (or an unusual frame: left-over input and short frames are judged by libzstd here)
         data = _decompressor().decompress(stored, max_output_size=raw_length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError("DECODE_FAILED", f"zstd: {exc}", rule="KVW-CODEC-2") from None
-    if len(data) != raw_length:
-        raise CodecError("DECODED_SIZE_MISMATCH", f"zstd produced {len(data)} bytes, record says {raw_length}",
-                         rule="KVW-CODEC-2")
-    if out is not None:
-        memoryview(out).cast("B")[:] = data
+    if len(data) != raw_length:  # found while decompressing (the header check above passed): KVW-CODEC-2
+        raise CodecError("DECODE_FAILED", f"zstd produced {len(data)} bytes, record and frame header say "
+                         f"{raw_length}", rule="KVW-CODEC-2")
+    if targets is not None:  # a frame of many small blocks: decoded aside, then copied
+        src, at = memoryview(data), 0
+        for t in targets:
+            t[:] = src[at : at + t.nbytes]
+            at += t.nbytes
         return out
     return data
+
+
+_BLOCK_WALK = 4096  # decoded bytes per block assumed by the walk's bound (libzstd's block splitter stays above)
+
+
+def _frame_end(stored, raw_length: int) -> int | None:
+    """Where the zstd frame at the start of ``stored`` ends, from its block headers; None
+    when it is not found within ``raw_length / 4096 + 16`` blocks, more than an encoder
+    writes (the walk stays bounded; such frames take the one-shot path)."""
+    mv = memoryview(stored).cast("B")
+    n = mv.nbytes
+    try:
+        at = zstandard.frame_header_size(stored)
+        checksum = zstandard.get_frame_parameters(stored).has_checksum
+    except zstandard.ZstdError:
+        return None
+    for _ in range(raw_length // _BLOCK_WALK + 16):
+        if at + 3 > n:
+            return None
+        b = mv[at] | mv[at + 1] << 8 | mv[at + 2] << 16
+        kind, at = (b >> 1) & 3, at + 3
+        if kind == 3:  # reserved block type
+            return None
+        at += 1 if kind == 1 else b >> 3  # RLE blocks store one byte
+        if b & 1:  # last block
+            return at + 4 * checksum
+    return None
+
+
+def _decompress_into(stored, raw_length: int, targets: list) -> None:
+    """Decompress one whole zstd frame (``stored`` holds exactly it) into ``targets``."""
+    try:
+        with _decompressor().stream_reader(stored, read_across_frames=False) as reader:
+            got = 0
+            for t in targets:
+                at = 0
+                while at < t.nbytes:
+                    n = reader.readinto(t[at:])
+                    if n == 0:  # blocks produce fewer bytes than the declared size: found while decompressing
+                        raise CodecError("DECODE_FAILED", f"zstd produced {got + at} bytes, record and frame "
+                                         f"header say {raw_length}", rule="KVW-CODEC-2")
+                    at += n
+                got += at
+            if reader.read(1):
+                raise CodecError("DECODE_FAILED", f"zstd output beyond {raw_length} bytes", rule="KVW-CODEC-2")
+    except zstandard.ZstdError as exc:
+        raise CodecError("DECODE_FAILED", f"zstd: {exc}", rule="KVW-CODEC-2") from None

@@ -19,6 +19,19 @@ CORE_HEADER_FIELDS = ("format_major", "format_minor", "required_features", "opti
 CORE_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "window", "source_layer")
 # Fields a reader must ignore for a shared layer (KVW-ARCH-7): never compared.
 SHARED_IGNORED = ("window", "uses_rope", "rope", "kv_lora_rank", "qk_rope_head_dim")
+# Optional members of a reported object that the twin omits when they hold their default
+# (PROTOCOL.md 2.2): omitted and reported-with-the-default compare equal.
+OPTIONAL_DEFAULTS = {
+    "model": {"framework": "", "framework_version": "", "layer_weights_fingerprints": "", "fingerprint_scheme": 0},
+    "rope": {"truncate": True},
+}
+
+
+def _without_defaults(value, kind: str):
+    if not isinstance(value, dict):
+        return value
+    defaults = OPTIONAL_DEFAULTS[kind]
+    return {k: v for k, v in value.items() if not (k in defaults and _eq(v, defaults[k]))}
 
 
 def _same_float(a, b) -> bool:
@@ -71,6 +84,8 @@ def compare_header(expected: dict, actual, *, ignore=("producer",), require_all:
         got = actual[key]
         if key == "arch":
             _compare_arch(want, got, errors, notes, require_all)
+        elif key == "model" and _eq(_without_defaults(want, "model"), _without_defaults(got, "model")):
+            continue
         elif not _eq(want, got):
             errors.append(f"{key}: expected {_short(want)}, got {_short(got)}")
     return errors, notes
@@ -83,7 +98,7 @@ def _compare_arch(want: dict, got, errors: list, notes: list, require_all: bool)
     for key in ("schema_version", "keys_post_rope", "rope"):
         if key not in got:
             (errors if require_all else notes).append(f"arch.{key}: not reported")
-        elif not _eq(want[key], got[key]):
+        elif not _eq(*(_without_defaults(x[key], "rope") if key == "rope" else x[key] for x in (want, got))):
             errors.append(f"arch.{key}: expected {_short(want[key])}, got {_short(got[key])}")
     layers = got.get("layers")
     if not isinstance(layers, list) or len(layers) != len(want["layers"]):
@@ -100,7 +115,7 @@ def _compare_arch(want: dict, got, errors: list, notes: list, require_all: bool)
             if key not in g:
                 (errors if key in CORE_LAYER_FIELDS or require_all else notes).append(
                     f"arch.layers[{i}].{key}: not reported")
-            elif not _eq(value, g[key]):
+            elif not _eq(*(_without_defaults(x, "rope") if key == "rope" else x for x in (value, g[key]))):
                 errors.append(f"arch.layers[{i}].{key}: expected {_short(value)}, got {_short(g[key])}")
 
 

@@ -247,13 +247,21 @@ def build_architecture(b, arch: Architecture) -> int:
 # ---------------------------------------------------------------------------------------
 
 def _read_rope(t: Table | None) -> RopeParams | None:
+    """A RopeParams table. Writers share one table among layer specs (``build_architecture``
+    does), so a table at a position already decoded is reused: its revisit is charged only
+    as a table visit, not its factor vectors again (KVW-LIM-7)."""
     if t is None:
         return None
+    key = ("rope", t.pos)
+    done = t.buf.memo.get(key)
+    if done is not None:
+        return done
     kw = read_scalars(t, RopeParams, _ROPE_SCALARS)
     kw["short_factor"] = read_numbers(t, 13, "d", 8, L.MAX_ROPE_FACTORS)
     kw["long_factor"] = read_numbers(t, 14, "d", 8, L.MAX_ROPE_FACTORS)
     kw["mrope_section"] = read_numbers(t, 15, "I", 4, L.MAX_ROPE_FACTORS)
-    return RopeParams(**kw)
+    rope = t.buf.memo[key] = RopeParams(**kw)
+    return rope
 
 
 def read_architecture(t: Table) -> Architecture:

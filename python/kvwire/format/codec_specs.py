@@ -118,11 +118,10 @@ def _name(enum: dict, code: int, attr: str) -> str:
     raise SchemaError("ENUM_OUT_OF_RANGE", f"codec spec {attr} code {code} is not in the registry", rule="KVW-HDR-10")
 
 
-def read_codec_specs(t, required_features: int) -> tuple:
-    """``Header.codec_specs`` (field 18) from the verified root table ``t``. Without the
-    feature bit the field is not read at all (KVW-CSPEC-1, KVW-EVOL-2)."""
-    if not required_features & FEATURE_BIT:
-        return ()
+def read_codec_specs(t, required_features: int = 0) -> tuple:
+    """``Header.codec_specs`` (field 18) from the verified root table ``t``. The field is part
+    of the 1.0 schema: it is read and verified whether or not the feature bit is set, and
+    ``check_codec_specs`` rejects specs without the bit (KVW-CSPEC-10, KVW-EVOL-10)."""
     out = []
     for st in t.tables(18, MAX_CODEC_SPECS):
         kw = {}
@@ -175,15 +174,15 @@ def check_codec_spec(s: CodecSpec, i: int, dtype: str) -> None:
 
 
 def check_codec_specs(h) -> None:
-    """Header rules of ``codec_specs`` (KVW-CSPEC-1..6); called by ``check_header``."""
+    """Header rules of ``codec_specs`` (KVW-CSPEC-10, KVW-CSPEC-2..6); called by ``check_header``."""
     specs = h.codec_specs
     if not specs:
         if h.required_features & FEATURE_BIT:  # bit 0 alone: the unassigned bit of 1.0 draft rev. 1
             raise FeatureError("UNSUPPORTED_FEATURE", "the codec_specs bit is set but Header.codec_specs is "
-                               "absent or empty (KVW-CSPEC-1): treated as an unknown bit", rule="KVW-EVOL-3")
+                               "absent or empty (KVW-CSPEC-10): treated as an unknown bit", rule="KVW-EVOL-3")
         return
     if not h.required_features & FEATURE_BIT:
-        _invalid(0, "KVW-CSPEC-1", "codec_specs present without the codec_specs required feature bit")
+        _invalid(0, "KVW-CSPEC-10", "codec_specs present without the codec_specs required feature bit")
     if len(specs) > MAX_CODEC_SPECS:
         raise LimitError("LIMIT_EXCEEDED", f"{len(specs)} codec specs, limit {MAX_CODEC_SPECS}", rule="KVW-CSPEC-2")
     for i, s in enumerate(specs):

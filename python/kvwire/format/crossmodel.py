@@ -73,7 +73,7 @@ def check_state_spec(s, i: int) -> None:
               f"need 1..{MAX_STATE_TENSORS}")
     names = set()
     for t in s.state_tensors:
-        if not (len(t.name.encode("utf-8")) <= MAX_STATE_NAME and _STATE_NAME.fullmatch(t.name)) or t.name in names:
+        if not (1 <= len(t.name.encode("utf-8")) <= MAX_STATE_NAME and _STATE_NAME.fullmatch(t.name)) or t.name in names:
             _fail("STATE_INVALID", "KVW-STATE-2", f"state layer {i}: tensor name {t.name[:40]!r} is empty, "
                   "repeated or not [A-Za-z0-9_.-]")
         names.add(t.name)
@@ -164,8 +164,10 @@ def check_writable(h) -> None:
         raise ValueError(f"fingerprint_scheme {m.fingerprint_scheme} is not a u16")
     if len(m.layer_weights_fingerprints) > L.MAX_BYTES_LENGTH:
         raise ValueError("layer_weights_fingerprints exceeds its limit (KVW-LIM-1)")
-    if h.prefix is not None and (len(h.prefix.hashes) > L.MAX_BYTES_LENGTH or not 0 <= h.prefix.scheme < 1 << 16):
-        raise ValueError("prefix chain too long for one header (KVW-LIM-1): use a larger chunk_tokens")
+    if h.prefix is not None and (len(h.prefix.hashes) > L.MAX_PREFIX_HASH_BYTES or len(h.prefix.root) >
+                                 L.MAX_BYTES_LENGTH or not 0 <= h.prefix.scheme < 1 << 16):
+        raise ValueError(f"prefix chain of {len(h.prefix.hashes) // HASH_SIZE} token chunks exceeds "
+                         f"{L.MAX_PREFIX_HASH_BYTES // HASH_SIZE} (KVW-PREFIX-7): use a larger chunk_tokens or omit it")
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,13 +195,14 @@ def read_state_tensors(t) -> tuple:
     import struct
 
     out = []
-    for st in t.tables(10, L.MAX_LAYERS):  # more than 64: STATE_INVALID (KVW-STATE-2)
-        v = st.vector(1, 4, 4, L.MAX_LAYERS)
+    for st in t.tables(10, L.MAX_STATE_TENSORS_VECTOR):  # more than 64: STATE_INVALID (KVW-STATE-2)
+        v = st.vector(1, 4, 4, L.MAX_STATE_SHAPE)  # more than 8 dimensions: STATE_INVALID
         shape = struct.unpack_from(f"<{v[1]}I", st.buf.data, v[0]) if v else ()
         code = st.scalar(2, struct.Struct("<B"), R.DTYPES["f32"][0])
         if code not in R.DTYPE_BY_CODE:
             raise SchemaError("ENUM_OUT_OF_RANGE", f"state tensor dtype code {code}", rule="KVW-HDR-10")
-        out.append(StateTensor(st.string(0, MAX_STATE_NAME, required=True), tuple(shape), R.DTYPE_BY_CODE[code]))
+        # a name over 256 bytes is STATE_INVALID (KVW-STATE-2); only one over the string limit is LIMIT_EXCEEDED
+        out.append(StateTensor(st.string(0, L.MAX_STRING_LENGTH, required=True), tuple(shape), R.DTYPE_BY_CODE[code]))
     return tuple(out)
 
 
@@ -222,4 +225,4 @@ def read_prefix(t) -> PrefixChain | None:
     import struct
 
     return PrefixChain(t.scalar(0, struct.Struct("<H"), 1), t.blob(1, L.MAX_BYTES_LENGTH) or b"",
-                       t.blob(2, L.MAX_BYTES_LENGTH) or b"")
+                       t.blob(2, L.MAX_PREFIX_HASH_BYTES) or b"")  # KVW-PREFIX-7

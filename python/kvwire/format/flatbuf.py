@@ -6,6 +6,13 @@ hands untrusted bytes to it. Instead every table, vtable, vector and string is r
 through :class:`Table`, which checks bounds, alignment and size before reading, and
 raises :class:`~kvwire.errors.HeaderError` with a stable code (spec KVW-HDR-2..8).
 The schema-specific decoding in ``header.py`` is written on top of this.
+
+:class:`Buffer` also keeps the parse budget of KVW-LIM-7: every table visit and every
+vector or string body decoded is charged before anything is materialised from it, against
+a budget proportional to the FlatBuffer's length, so a header whose objects are shared
+(a DAG: many references to one object) cannot make decoding cost more than a constant
+times its size. ``memo`` lets a decoder reuse an object already decoded at a position
+where the spec exempts the revisit (RopeParams tables, which writers share).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import struct
 
 from .errors import HeaderError, LimitError
-from .limits import MAX_FB_TABLES
+from .limits import MAX_FB_TABLES, PARSE_BUDGET_BASE, PARSE_BUDGET_PER_BYTE, PARSE_TABLE_COST
 
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
@@ -23,14 +30,17 @@ MAX_FIELD_ID = 31  # no table of schemas/*.fbs has more fields; higher ids are n
 
 
 class Buffer:
-    """One FlatBuffer (header or index) being verified; counts tables visited."""
+    """One FlatBuffer (header or index) being verified; counts tables visited (KVW-HDR-8)
+    and charges the parse budget (KVW-LIM-7)."""
 
-    __slots__ = ("data", "n", "tables_left")
+    __slots__ = ("data", "n", "tables_left", "budget", "budget_left", "memo")
 
     def __init__(self, data: bytes, identifier: bytes, rule: str):
         self.data = data
         self.n = len(data)
         self.tables_left = MAX_FB_TABLES
+        self.budget = self.budget_left = PARSE_BUDGET_PER_BYTE * self.n + PARSE_BUDGET_BASE
+        self.memo: dict = {}  # (kind, position) -> decoded object, for revisits KVW-LIM-7 exempts
         if self.n < 8:
             raise HeaderError("FB_BOUNDS", "FlatBuffer shorter than its root offset and identifier", rule=rule)
         if data[4:8] != identifier:
@@ -43,6 +53,18 @@ class Buffer:
             raise HeaderError("FB_BOUNDS", f"{what} at {pos}+{size} outside buffer of {self.n} bytes", rule="KVW-HDR-3")
         if align > 1 and pos % align:
             raise HeaderError("FB_ALIGNMENT", f"{what} at {pos} not aligned to {align}", rule="KVW-HDR-4")
+
+    def charge(self, units: int, what: str) -> None:
+        """Charge ``units`` of decoding work; FB_TOO_COMPLEX once the budget is spent (KVW-LIM-7)."""
+        self.budget_left -= units
+        if self.budget_left < 0:
+            raise LimitError("FB_TOO_COMPLEX", f"{what}: decoding this FlatBuffer of {self.n} bytes costs more "
+                             f"than its parse budget of {self.budget} units", rule="KVW-LIM-7")
+
+    @property
+    def spent(self) -> int:
+        """Units of the parse budget charged so far."""
+        return self.budget - self.budget_left
 
     def u32(self, pos: int, what: str) -> int:
         self.check(pos, 4, 4, what)
@@ -61,6 +83,7 @@ class Table:
         buf.tables_left -= 1
         if buf.tables_left < 0:
             raise LimitError("FB_TOO_COMPLEX", f"more than {MAX_FB_TABLES} tables", rule="KVW-HDR-8")
+        buf.charge(PARSE_TABLE_COST, "table visit")
         data, n = buf.data, buf.n
         if pos < 0 or pos + 4 > n or pos % 4:
             buf.check(pos, 4, 4, "table")  # raises with the precise reason
@@ -125,7 +148,8 @@ class Table:
         return None if target is None else Table(self.buf, target)
 
     def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *, required: bool = False):
-        """(start, count) of a vector, its length checked against the bytes left."""
+        """(start, count) of a vector, its length checked against the bytes left and its
+        body (``count x elem_size`` bytes) charged to the parse budget (KVW-LIM-7)."""
         target = self._ref(fid, required, "vector")
         if target is None:
             return None
@@ -138,6 +162,7 @@ class Table:
         start = target + 4
         if start + count * elem_size > buf.n or (elem_align > 1 and start % elem_align):
             buf.check(start, count * elem_size, elem_align, "vector body")
+        buf.charge(count * elem_size, "vector body")
         return start, count
 
     def blob(self, fid: int, max_len: int) -> bytes | None:

@@ -18,6 +18,14 @@ MAX_CHUNK_RAW_LENGTH = 1 << 32
 MAX_METADATA_ENTRIES = 4096
 MAX_STRING_LENGTH = 1 << 16
 MAX_BYTES_LENGTH = 1 << 20
+MAX_PREFIX_HASH_BYTES = 1 << 23  # PrefixChain.hashes: 2^18 token chunks of 32 bytes (KVW-PREFIX-7)
+MAX_STATE_TENSORS_VECTOR = 4096  # LayerSpec.state_tensors entries; more than 64 is STATE_INVALID (KVW-STATE-2)
+MAX_STATE_SHAPE = 4096  # StateTensor.shape entries; more than 8 is STATE_INVALID (KVW-STATE-2)
 MAX_ROPE_FACTORS = 1 << 16
 MAX_FB_TABLES = 1 << 16
+# Parse budget of one FlatBuffer (KVW-LIM-7): PER_BYTE x its length + BASE units; a table
+# visit costs PARSE_TABLE_COST, a vector or string body one unit per byte.
+PARSE_BUDGET_PER_BYTE = 8
+PARSE_BUDGET_BASE = 1 << 16
+PARSE_TABLE_COST = 32
 DEFAULT_MAX_DECODED_BYTES = 64 << 30

@@ -154,10 +154,12 @@ def get_layout(name) -> LayoutDescriptor:
     """The descriptor registered under ``name`` (a descriptor is returned as is)."""
     if isinstance(name, LayoutDescriptor):
         return name
-    try:
-        return LAYOUTS[name]
-    except KeyError:
-        raise KeyError(f"unknown layout {name!r}; registered: {', '.join(sorted(LAYOUTS))}") from None
+    if not isinstance(name, str):
+        raise TypeError(f"a layout is a registered name or a LayoutDescriptor, not {type(name).__name__}; "
+                        f"registered: {', '.join(sorted(LAYOUTS))}")
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; registered: {', '.join(sorted(LAYOUTS))}")
+    return LAYOUTS[name]
 
 
 def layout_names() -> list[str]:

@@ -253,8 +253,14 @@ def _shift(h: Header, position: int, reasons: list, conversions: list) -> None:
 
 def check_compatible(header: Header, local: LocalModel) -> Verdict:
     """Can ``local`` use the cache ``header`` describes? Decided from the header alone (KVW-XM-2)."""
+    if not isinstance(header, Header):
+        raise TypeError(f"check_compatible(header, local): header must be a kvwire.Header (Reader.header, "
+                        f"kvwire.probe(first_bytes)), not {type(header).__name__}")
+    if not isinstance(local, LocalModel):
+        raise TypeError(f"check_compatible(header, local): local must be a kvwire.LocalModel, "
+                        f"not {type(local).__name__}")
     if local.dtype not in R.DTYPES:
-        raise ValueError(f"unknown dtype {local.dtype!r}")
+        raise ValueError(f"unknown dtype {local.dtype!r}; one of {', '.join(sorted(R.DTYPES))}")
     reasons: list[str] = []
     conversions: list[str] = []
     mapped = bool(header.layer_map)

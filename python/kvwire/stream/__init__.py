@@ -16,6 +16,8 @@ no container byte is parsed or built outside them.
   ``read_segments`` and ``Reassembler`` are the receiving side.
 * ``SharedBuffers`` / ``fanout``: one encoded container written to several sinks (file,
   socket, ``MemoryStore``) from the same buffers, reference counted, never copied.
+* ``timeout=`` on ``Reader``, ``Writer`` and ``fanout``: the longest a stalled peer may
+  keep a transport call waiting; then ``StreamTimeout`` (a ``TimeoutError``).
 * ``TransferStats``: bytes, wall time, GB/s and utilization of a declared link bandwidth,
   on every reader and writer; ``MemoryStore`` counts lookup hits and misses.
 
@@ -27,10 +29,11 @@ object with ``readinto()``.
 from .fanout import MemoryStore, SharedBuffers, encode_shared, fanout
 from .segments import DecodeWriter, Reassembler, read_segments
 from .reader import Layer, Placed, Reader
-from .transport import TransferStats
+from .transport import StreamTimeout, TransferStats
 from .writer import Writer
 
 __all__ = [
-    "DecodeWriter", "Layer", "MemoryStore", "Placed", "Reader", "Reassembler", "SharedBuffers", "TransferStats",
+    "DecodeWriter", "Layer", "MemoryStore", "Placed", "Reader", "Reassembler", "SharedBuffers", "StreamTimeout",
+    "TransferStats",
     "Writer", "encode_shared", "fanout", "read_segments",
 ]

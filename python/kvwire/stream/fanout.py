@@ -148,33 +148,36 @@ class _StoreSink:
         self.store.put(self.key, shared)
 
 
-def fanout(shared: SharedBuffers, sinks, *, link_gbps: float | None = None) -> list[TransferStats]:
+def fanout(shared: SharedBuffers, sinks, *, link_gbps: float | None = None,
+           timeout: float | None = None) -> list[TransferStats]:
     """Write ``shared`` to every sink at once (one thread per sink), from the same buffers.
 
     Each sink holds a reference while it is written; a ``MemoryStore.sink(key)`` keeps
     one until the key is evicted. Returns one ``TransferStats`` per sink; the first
-    failure is raised after all sinks finished.
+    failure is raised after all sinks finished. ``timeout``: as for ``Writer``, the
+    longest a sink may take no byte (``StreamTimeout``; sockets and descriptors).
     """
+    senders = [None if isinstance(sink, _StoreSink) else sender_for(sink, timeout) for sink in sinks]
     stats = [TransferStats("send", link_gbps) for _ in sinks]
     failures: list[BaseException] = []
 
-    def run(sink, st: TransferStats) -> None:
+    def run(sink, send, st: TransferStats) -> None:
         try:
             st.begin()
             if isinstance(sink, _StoreSink):
                 sink.take(shared)
                 st.add(shared.nbytes)
             else:
-                st.add(sender_for(sink)(shared.buffers))
+                st.add(send(shared.buffers))
         except BaseException as exc:
             failures.append(exc)
         finally:
             shared.release()
 
     threads = []
-    for sink, st in zip(sinks, stats):
+    for sink, send, st in zip(sinks, senders, stats):
         shared.acquire()
-        t = threading.Thread(target=run, args=(sink, st), name="kvwire-fanout", daemon=True)
+        t = threading.Thread(target=run, args=(sink, send, st), name="kvwire-fanout", daemon=True)
         t.start()
         threads.append(t)
     for t in threads:

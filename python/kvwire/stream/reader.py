@@ -22,9 +22,10 @@ from ..cache.kvcache import KVCache
 from ..cache.tensors import as_numpy, as_uint, torch_dtype
 from ..format import registry as R
 from ..format.chunks import ChunkTable
+from ..format.errors import LimitError
 from ..format.header import Header
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES
-from .transport import TransferStats, receiver_for
+from .transport import StreamTimeout, TransferStats, receiver_for
 
 __all__ = ["Layer", "Placed", "Reader"]
 
@@ -93,11 +94,23 @@ def _carve(slab, offset: int, shape: tuple, dtype: str, backend: str):
     return part.view(R.DTYPES[dtype][2]).reshape(shape)
 
 
+def implied_bytes(h: Header) -> int:
+    """Decoded bytes of a dense container, from its header alone: the sum of ``raw_length``
+    over every chunk the header implies (what KVW-LIM-5 bounds; KVW-LIM-8)."""
+    total = 0
+    for spec, r in zip(h.arch.layers, h.layer_tokens):
+        if spec.kind == "state":
+            total += sum(t.nbytes for t in spec.state_tensors) if r.count else 0
+        else:
+            total += sum(math.prod(spec.shape(comp, r.count)) for comp in spec.components) * h.itemsize
+    return total
+
+
 def _layer_bytes(h: Header, layer: int) -> list[tuple[str, tuple, int]]:
     """(component, shape, bytes rounded up to 64) of a layer's tensors."""
     spec, r = h.arch.layers[layer], h.layer_tokens[layer]
     out = []
-    for comp in spec.components:
+    for comp in (() if spec.kind == "state" else spec.components):  # state tensors: decoded apart
         shape = spec.shape(comp, r.count)
         out.append((comp, shape, (math.prod(shape) * h.itemsize + 63) & ~63))
     return out
@@ -124,16 +137,26 @@ class Reader:
     is the whole input, so a file-form tail is read and checked (KVW-LAYOUT-4); by
     default reading stops at the end frame and the source is left at the next
     container (KVW-STREAM-3).
+
+    ``max_decoded_bytes`` (KVW-LIM-5): a header whose decoded size exceeds it is refused
+    with ``DECODED_SIZE_LIMIT`` before the receive buffer is allocated (KVW-LIM-8).
+    ``timeout``: seconds one transport call may wait for a byte (None, the default:
+    block forever); a stalled sender raises ``StreamTimeout`` (a ``TimeoutError``) saying
+    what was awaited and how many bytes had arrived. It needs a socket, a file
+    descriptor or an unbuffered file (a buffered reader's bytes are invisible to poll).
     """
 
     def __init__(self, source, *, verify: bool = True, backend: str = "numpy", prefetch: int = 2,
                  keep: bool = True, pin: bool = False, buffer=None, link_gbps: float | None = None,
-                 to_eof: bool = False, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+                 to_eof: bool = False, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 timeout: float | None = None):
         if backend not in ("numpy", "torch"):
             raise ValueError(f"backend must be 'numpy' or 'torch', not {backend!r}")
+        if isinstance(max_decoded_bytes, bool) or not isinstance(max_decoded_bytes, int) or max_decoded_bytes < 0:
+            raise ValueError(f"max_decoded_bytes must be a non-negative int, not {max_decoded_bytes!r}")
         self.backend, self.prefetch, self.keep = backend, max(0, prefetch), keep
         self.stats = TransferStats("recv", link_gbps)
-        self._recv = receiver_for(source)
+        self._recv = receiver_for(source, timeout)
         threaded = self.prefetch > 0
         # Checksums are computed on the receive thread, in place, right after each body
         # arrives (still in cache). A second verifying thread measured slower on 2 cores:
@@ -152,6 +175,12 @@ class Reader:
         while self.header is None:
             self._step()
         h = self.header
+        if h.sparse is not None:
+            raise ValueError("stream.Reader reads dense containers; a sparse one (chunks of one head each) is read "
+                             "with kvwire.StreamDecoder or kvwire.open")
+        if implied_bytes(h) > max_decoded_bytes:  # before the receive buffer is sized from the header
+            raise LimitError("DECODED_SIZE_LIMIT", f"the header implies {implied_bytes(h)} decoded bytes, more than "
+                             f"max_decoded_bytes={max_decoded_bytes}", rule="KVW-LIM-8")
         self.form = None
         table = ChunkTable.of(h)
         self._remaining = [int(table.counts[i].sum()) for i in range(h.num_layers)]  # chunks still to come
@@ -165,7 +194,7 @@ class Reader:
                 self._offsets.append(total)
                 total += sum(n for _, _, n in layer)
         else:
-            self._slots = self.prefetch + 1
+            self._slots = min(self.prefetch + 1, max(1, h.num_layers))  # no slot beyond what the header implies
             self._slot_bytes = max(sum(n for _, _, n in layer) for layer in sizes)
             total = self._slots * self._slot_bytes
         self._sizes = sizes
@@ -194,6 +223,8 @@ class Reader:
         """Where a chunk goes: its token slice of the layer tensor, as one byte run per head."""
         if not self._started[layer]:
             self._start_layer(layer)
+        if comp == "state":  # a state tensor has its own shape and dtype: the decoder decodes it (KVW-STATE-7)
+            return None
         x = self._tensors[layer][comp]
         flat, heads, per_head, row = self._flat[layer][comp]
         a = (t0 - self.header.layer_tokens[layer].start) * row
@@ -234,7 +265,12 @@ class Reader:
             self.form = dec.close()
             self._finish()
             return
-        n = self._recv(targets)
+        try:
+            n = self._recv(targets)
+        except StreamTimeout as exc:
+            raise StreamTimeout(f"stream.Reader: no byte arrived for {exc.timeout:g} s while waiting for "
+                                f"{dec.waiting_for()}; {dec.received} bytes had arrived",
+                                timeout=exc.timeout, transferred=dec.received) from None
         if n == 0:
             if dec.received == 0:
                 raise EOFError("the source ended before a container started")
@@ -247,6 +283,9 @@ class Reader:
         dec.filled(n)
         for ev in dec.events():
             if isinstance(ev, ChunkEvent):  # verified, in place
+                if ev.component == "state":
+                    name = self.header.arch.layers[ev.layer].state_tensors[ev.head_start].name
+                    self._tensors[ev.layer].setdefault("state", {})[name] = ev.data
                 self._remaining[ev.layer] -= 1
                 if self._remaining[ev.layer] == 0:
                     self.stats.mark_layer(ev.layer)

@@ -6,6 +6,11 @@
 * ``receiver_for(source)``: ``recv(targets)`` that fills writable buffers in order
   (``recv_into`` / ``recvmsg_into``, ``readv``, or ``readinto()``).
 * ``TransferStats``: what those calls moved and how long they took.
+* ``timeout``: both take the longest a call may wait for its peer to move a byte (None:
+  block forever); a stalled peer raises ``StreamTimeout``, a ``TimeoutError``. The wait is
+  ``poll`` on the socket or descriptor, which is then read or written without blocking
+  (``MSG_DONTWAIT``; a descriptor is non-blocking during the write only), so the
+  caller's socket timeout and descriptor flags are left as they were.
 
 ``Writer`` (writer.py), ``Reader`` (reader.py), ``DecodeWriter`` / ``read_segments``
 (segments.py) and ``fanout`` (fanout.py) all move their bytes through these, so the
@@ -15,14 +20,25 @@ zero-copy I/O and its accounting live in one place.
 from __future__ import annotations
 
 import io
+import math
 import os
+import select
 import socket
 import time
 from dataclasses import dataclass, field
 
 from ..cache.decoder import IOV_MAX
 
-__all__ = ["TransferStats", "receiver_for", "sender_for"]
+__all__ = ["StreamTimeout", "TransferStats", "receiver_for", "sender_for"]
+
+
+class StreamTimeout(TimeoutError):
+    """The peer moved no byte for ``timeout`` seconds: ``transferred`` is how many bytes
+    the stalled reader or writer had moved by then (its message says what it waited for)."""
+
+    def __init__(self, message: str, *, timeout: float, transferred: int = 0):
+        super().__init__(message)
+        self.timeout, self.transferred = timeout, transferred
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,12 +126,59 @@ def _fileno(obj):
         return None
 
 
-def _send_all(call, buffers) -> int:
-    """Send every buffer with ``call(list) -> bytes sent`` (sendmsg, writev), <= IOV_MAX per call."""
+def _check_timeout(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive number of seconds or None (block forever), not {timeout!r}")
+    return float(timeout)
+
+
+def _timed(fd: int, events: int, timeout: float, call, transferred):
+    """``call()`` once ``fd`` is ready for ``events``; ``StreamTimeout`` when it stays
+    unready for ``timeout`` seconds (``call`` raising BlockingIOError waits again)."""
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(fd, events)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(max(1, int(left * 1000 + 0.999))):
+            verb = "arrived" if events == select.POLLIN else "could be sent"
+            raise StreamTimeout(f"no byte {verb} for {timeout:g} s", timeout=timeout, transferred=transferred())
+        try:
+            return call()
+        except BlockingIOError:
+            continue
+
+
+def _without_blocking(fd: int, call):
+    """``call()`` with ``fd`` non-blocking (as it was before, after)."""
+    blocking = os.get_blocking(fd)
+    if blocking:
+        os.set_blocking(fd, False)
+    try:
+        return call()
+    finally:
+        if blocking:
+            os.set_blocking(fd, True)
+
+
+def _no_timeout(kind: str, obj) -> None:
+    raise ValueError(f"timeout= needs a socket or a file descriptor (or an unbuffered file) to poll; "
+                     f"cannot {kind} {type(obj).__name__} with a timeout")
+
+
+def _send_all(call, buffers, timeout=None, fd=None) -> int:
+    """Send every buffer with ``call(list) -> bytes sent`` (sendmsg, writev), <= IOV_MAX per
+    call; with ``timeout``, each call waits at most that long for ``fd`` to take bytes."""
     bufs = [b for b in (memoryview(x).cast("B") for x in buffers) if b.nbytes]
     total, i = 0, 0
     while i < len(bufs):
-        n = call(bufs[i : i + IOV_MAX])
+        if timeout is None:
+            n = call(bufs[i : i + IOV_MAX])
+        else:
+            batch = bufs[i : i + IOV_MAX]
+            n = _timed(fd, select.POLLOUT, timeout, lambda: call(batch), lambda: total)
         total += n
         while i < len(bufs) and n >= bufs[i].nbytes:
             n -= bufs[i].nbytes
@@ -125,16 +188,25 @@ def _send_all(call, buffers) -> int:
     return total
 
 
-def sender_for(sink):
-    """``send(buffers) -> bytes`` for a sink, without copying the buffers."""
+def sender_for(sink, timeout: float | None = None):
+    """``send(buffers) -> bytes`` for a sink, without copying the buffers. ``timeout``:
+    the longest one transport call waits for the peer to take a byte (StreamTimeout)."""
+    timeout = _check_timeout(timeout)
     if isinstance(sink, socket.socket):
-        return lambda bufs: _send_all(sink.sendmsg, bufs)
+        if timeout is None:
+            return lambda bufs: _send_all(sink.sendmsg, bufs)
+        return lambda bufs: _send_all(lambda b: sink.sendmsg(b, (), socket.MSG_DONTWAIT), bufs, timeout,
+                                      sink.fileno())
     fd = _fileno(sink)
     if fd is not None:
         flush = getattr(sink, "flush", None)
         if flush is not None:
             flush()  # anything the file object buffered goes first
-        return lambda bufs: _send_all(lambda b: os.writev(fd, b), bufs)
+        if timeout is None:
+            return lambda bufs: _send_all(lambda b: os.writev(fd, b), bufs)
+        return lambda bufs: _send_all(lambda b: _without_blocking(fd, lambda: os.writev(fd, b)), bufs, timeout, fd)
+    if timeout is not None and hasattr(sink, "write"):
+        _no_timeout("send to", sink)
     if hasattr(sink, "write"):
         def send(bufs):
             n = 0
@@ -147,17 +219,26 @@ def sender_for(sink):
     raise TypeError(f"cannot send to {type(sink).__name__}: need a socket, a file descriptor or write()")
 
 
-def receiver_for(source):
-    """``recv(targets) -> bytes`` filling writable buffers in order (0 at end of input)."""
+def receiver_for(source, timeout: float | None = None):
+    """``recv(targets) -> bytes`` filling writable buffers in order (0 at end of input).
+    ``timeout``: the longest one call waits for a byte to arrive (StreamTimeout)."""
+    timeout = _check_timeout(timeout)
     if isinstance(source, socket.socket):
         def recv(targets):
             if len(targets) == 1:
                 return source.recv_into(targets[0])
             return source.recvmsg_into(targets)[0]
-        return recv
+        if timeout is None:
+            return recv
+        fd = source.fileno()
+        return lambda targets: _timed(fd, select.POLLIN, timeout, lambda: recv(targets), lambda: 0)
     if isinstance(source, int) or isinstance(source, io.FileIO):
         fd = _fileno(source)
-        return lambda targets: os.readv(fd, targets)
+        if timeout is None:
+            return lambda targets: os.readv(fd, targets)
+        return lambda targets: _timed(fd, select.POLLIN, timeout, lambda: os.readv(fd, targets), lambda: 0)
+    if timeout is not None and hasattr(source, "readinto"):
+        _no_timeout("receive from", source)  # a buffered reader may hold bytes that poll cannot see
     if hasattr(source, "readinto"):
         def recv(targets):
             total = 0

@@ -17,7 +17,7 @@ from ..cache.tensors import as_numpy
 from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..format.chunks import grid
 from ..format.header import Header
-from .transport import TransferStats, sender_for
+from .transport import StreamTimeout, TransferStats, sender_for
 
 __all__ = ["Writer"]
 
@@ -35,14 +35,20 @@ class Writer:
     ``close()`` sends the end frame once every layer was written (KVW-CHUNK-8); leaving
     a ``with`` block by an exception abandons the stream without an end frame
     (KVW-WRITE-2).
+
+    ``timeout``: seconds one transport call may wait for the receiver to take a byte
+    (None, the default: block forever). A stalled receiver raises ``StreamTimeout`` (a
+    ``TimeoutError``) from the next ``write_layer`` or ``close``, saying what was being
+    sent and how many bytes had gone out; the stream is then abandoned. It needs a
+    socket or a file descriptor (``poll``).
     """
 
     def __init__(self, sink, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL,
                  link_gbps: float | None = None, background: bool = True, depth: int = 2,
-                 batch_bytes: int = 2 << 20):
+                 batch_bytes: int = 2 << 20, timeout: float | None = None):
         self.header = header
         self._enc = Encoder(header, codec=codec, level=level)
-        self._send = sender_for(sink)
+        self._send = sender_for(sink, timeout)
         self.stats = TransferStats("send", link_gbps)
         self._written: set[int] = set()
         self._failure: list[BaseException] = []
@@ -56,7 +62,7 @@ class Writer:
             self._thread = threading.Thread(target=self._drain, name="kvwire-stream-send", daemon=True)
             self._thread.start()
         self.stats.begin()
-        self._submit(None, self._enc.begin())
+        self._submit(None, self._enc.begin(), "the preamble and header")
 
     def write_layer(self, layer: int, k=None, v=None, *, latent=None) -> None:
         """Send layer ``layer``: its [heads, tokens, dim] tensors (k and v, or latent)."""
@@ -88,9 +94,9 @@ class Writer:
                 buffers += bufs
                 size += sum(memoryview(b).nbytes for b in bufs)
                 if size >= self._batch_bytes:
-                    self._submit(None, buffers)
+                    self._submit(None, buffers, f"chunks of layer {layer}")
                     buffers, size = [], 0
-        self._submit(layer, buffers)  # the layer's last batch (possibly empty)
+        self._submit(layer, buffers, f"chunks of layer {layer}")  # the layer's last batch (possibly empty)
 
     def close(self) -> TransferStats:
         """Send the end frame (stream form) and wait until everything is sent."""
@@ -99,7 +105,7 @@ class Writer:
             if missing:
                 self._stop()
                 raise ValueError(f"layers {missing[:8]} were never written; the stream gets no end frame")
-            self._submit(None, self._enc.end(form="stream"))
+            self._submit(None, self._enc.end(form="stream"), "the end frame")
             self._stop()
         if self._failure:
             raise self._failure[0]
@@ -118,26 +124,32 @@ class Writer:
         else:
             self.abort()
 
-    def _submit(self, layer, buffers) -> None:
+    def _submit(self, layer, buffers, what: str) -> None:
         if self._failure:
             raise self._failure[0]
         if self._queue is None:
-            self._send_batch(layer, buffers)
+            self._send_batch(layer, buffers, what)
         else:
-            self._queue.put((layer, buffers))
+            self._queue.put((layer, buffers, what))
 
-    def _send_batch(self, layer, buffers) -> None:
+    def _send_batch(self, layer, buffers, what: str) -> None:
         if buffers:
-            self.stats.add(self._send(buffers))
+            try:
+                self.stats.add(self._send(buffers))
+            except StreamTimeout as exc:
+                sent = self.stats.bytes + exc.transferred
+                raise StreamTimeout(f"stream.Writer: the receiver took no byte for {exc.timeout:g} s while sending "
+                                    f"{what}; {sent} bytes had been sent", timeout=exc.timeout,
+                                    transferred=sent) from None
         if layer is not None:
             self.stats.mark_layer(layer)
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            layer, buffers = item
+            layer, buffers, what = item
             try:
                 if not self._failure:
-                    self._send_batch(layer, buffers)
+                    self._send_batch(layer, buffers, what)
             except BaseException as exc:  # reported to the producer on its next call
                 self._failure.append(exc)
             finally:

@@ -1,9 +1,14 @@
-"""The ``kvwire`` command: inspect, validate, synth, demo, conformance."""
+"""The ``kvwire`` command: inspect, validate, synth, demo, conformance.
+
+A user mistake never ends in a traceback: it gets one line on stderr and an exit status
+of the documented convention (``EXIT_STATUSES``, shown by ``kvwire --help``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -13,6 +18,52 @@ from ..format.errors import FormatError
 from ..cache.files import open as kv_open
 from .synth import synth_cache
 from ..cache.files import save
+
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
+EXIT_STATUSES = """exit status:
+  0    success
+  1    invalid input: the container breaks a rule of the spec (stderr: the error code, then the message)
+  2    usage error: bad arguments, a missing or unreadable file, a directory or FIFO given as a
+       file, an unwritable output (stderr: one line saying what is wrong)
+  130  interrupted (Ctrl-C)
+  141  the output pipe was closed by the reader (e.g. `kvwire inspect x.kvw --json | head`),
+       as for a command ended by SIGPIPE"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (exit 2) instead of usage text and an error."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative; give an integer >= 0")
+    return n
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not allowed; give an integer >= 1")
+    return n
+
+
+def _os_message(exc: OSError) -> str:
+    if exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
 
 
 def _jsonable(obj):
@@ -108,34 +159,36 @@ def cmd_demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kvwire", description="kvwire KV-cache container tool")
+    p = _Parser(prog="kvwire", description="kvwire KV-cache container tool", epilog=EXIT_STATUSES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("inspect", help="print a container's header and chunk summary")
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_inspect)
-    s = sub.add_parser("validate", help="check every byte; exit 1 with the error code on stderr if invalid")
+    s = sub.add_parser("validate", help="check every byte; exit 1 with the error code on stderr if invalid",
+                       epilog=EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
     s = sub.add_parser("synth", help="write a seeded synthetic cache")
     s.add_argument("-o", "--output", required=True)
-    s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--kv-heads", type=int, default=8)
-    s.add_argument("--head-dim", type=int, default=128)
-    s.add_argument("--tokens", type=int, default=512)
+    s.add_argument("--layers", type=_positive, default=4)
+    s.add_argument("--kv-heads", type=_positive, default=8)
+    s.add_argument("--head-dim", type=_positive, default=128)
+    s.add_argument("--tokens", type=_count, default=512)
     s.add_argument("--dtype", default="bf16", choices=sorted(R.DTYPES))
-    s.add_argument("--chunk-tokens", type=int, default=256)
+    s.add_argument("--chunk-tokens", type=_positive, default=256)
     s.add_argument("--codec", default="raw", choices=sorted(R.CODECS) + sorted(PRESETS),
                    help="a registry codec or a preset of spec/codecs.md (kvwire.codecs.PRESETS)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_count, default=0)
     s.set_defaults(func=cmd_synth)
     s = sub.add_parser("demo", help="prefill with a small model, save, continue in a fresh process; "
                                     "--synthetic: synthesize, save, reopen zero-copy, verify")
     s.add_argument("--synthetic", action="store_true", help="the core-only demo on a synthetic Llama-3-8B-shaped "
                                                             "cache (the fallback without torch/transformers)")
-    s.add_argument("--layers", type=int, default=None, help="model layers (default 4; synthetic: 32)")
-    s.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 512; synthetic: 2048)")
-    s.add_argument("--new-tokens", type=int, default=16, help="tokens generated from the loaded cache")
+    s.add_argument("--layers", type=_positive, default=None, help="model layers (default 4; synthetic: 32)")
+    s.add_argument("--tokens", type=_positive, default=None, help="prompt tokens (default 512; synthetic: 2048)")
+    s.add_argument("--new-tokens", type=_count, default=16, help="tokens generated from the loaded cache")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("conformance", help="conformance kit: run the gold vectors against an implementation")
     from ..conformance.cli import configure as configure_conformance
@@ -148,11 +201,35 @@ def main(argv=None) -> int:
     configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))
     args = p.parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
     except FormatError as exc:
         print(exc.code, file=sys.stderr)
         print(str(exc), file=sys.stderr)
-        return 1
+        return EXIT_INVALID
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_PIPE
+    except OSError as exc:
+        print(f"kvwire {args.cmd}: error: {_os_message(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError) as exc:  # API misuse reported by kvwire, naming the valid choices
+        print(f"kvwire {args.cmd}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("kvwire: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of a closed pipe stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
