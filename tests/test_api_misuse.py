@@ -67,6 +67,19 @@ CASES = {
     "probe(None)": (lambda: kvwire.probe(None), TypeError, "bytes-like"),
     "max_decoded_bytes=-1": (lambda: kvwire.open(DATA, max_decoded_bytes=-1), ValueError, "non-negative integer"),
     "max_decoded_bytes='x'": (lambda: kvwire.open(DATA, max_decoded_bytes="x"), TypeError, "non-negative integer"),
+    "KVCache(str, [])": (lambda: kvwire.KVCache("x", []), TypeError, "header must be a kvwire.Header"),
+    "KVCache(header, dict)": (lambda: kvwire.KVCache(CACHE.header, {"k": 1}), TypeError,
+                              "sequence of {component: tensor} mappings"),
+    "KVCache(header, [list])": (lambda: kvwire.KVCache(CACHE.header, [[1], [2]]), TypeError,
+                                "layer 0 must be a {component: tensor} mapping"),
+    "from_tensors(dict)": (lambda: kvwire.KVCache.from_tensors({"k": 1}, {"v": 1}), TypeError,
+                           "sequences .* numpy arrays or torch tensors"),
+    "from_tensors([list])": (lambda: kvwire.KVCache.from_tensors([[1, 2]], [np.zeros((1, 1, 1))]), TypeError,
+                             r"keys\[0\] is a list, not a numpy array"),
+    "covered_tokens(str)": (lambda: kvwire.covered_tokens("x", [1, 2]), TypeError, "header must be a kvwire.Header"),
+    "load(device='nope')": (lambda: kvwire.load(DATA, device="nope"), ValueError, "'cpu', 'cuda', 'cuda:N'"),
+    "layer(device='nope')": (lambda: reader().layer(0, backend="torch", device="gpu9"), ValueError,
+                             "'cpu', 'cuda', 'cuda:N'"),
 }
 
 

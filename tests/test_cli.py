@@ -196,6 +196,21 @@ def test_cli_bad_counts_and_choices_are_one_line_exit_2(tmp_path, args, words):
     assert not (tmp_path / "x.kvw").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (["plan", "--prefill-tokens-per-s", "-5"], ["--prefill-tokens-per-s", "> 0"]),
+    (["plan", "--prefill-tokens-per-s", "100", "--context", "0"], ["--context", ">= 1"]),
+    (["plan", "--prefill-tokens-per-s", "100", "--cached-tokens", "-1"], ["--cached-tokens", "negative"]),
+    (["plan", "--prefill-tokens-per-s", "100", "--latency-ms", "nan"], ["--latency-ms", ">= 0"]),
+    (["fidelity", "--prompts", "-2"], ["--prompts", ">= 1"]),
+    (["fidelity", "--greedy", "-1"], ["--greedy", "negative"]),
+    (["conformance", "run", "--jobs", "0"], ["--jobs", ">= 1"]),
+    (["conformance", "run", "--timeout", "-1"], ["--timeout", "> 0"]),
+])
+def test_cli_every_subcommand_checks_its_counts(args, words):
+    """Counts of plan, fidelity and conformance are checked when parsed: one line, exit 2."""
+    _one_line_error(_kvwire(*args), 2, *words)
+
+
 def test_cli_demo_rejects_negative_counts():
     _one_line_error(_kvwire("demo", "--synthetic", "--tokens", "-3"), 2, "--tokens")
 

@@ -564,3 +564,16 @@ def test_architecture_families_round_trip_and_match_themselves(name):
     back = forge.read_all(kvwire.encode(c, codec="zstd"))
     assert back.equal(c)
     assert kvwire.check_compatible(back.header, LocalModel(arch, "bf16", ident(arch))).status == "exact"
+
+
+def test_writer_refuses_a_header_its_own_reader_rejects_for_complexity():
+    """KVW-WRITE-1 with KVW-HDR-8/LIM-7: 4,096 distinct state layers of 16 state tensors each
+    pass check_header but take over 65,536 table visits to read; the Encoder parses what it
+    built and refuses it (FB_TOO_COMPLEX) instead of writing a container no reader accepts."""
+    layers = tuple(LayerSpec("state", state_tensors=tuple(StateTensor(f"t{j}", (1, i + 1)) for j in range(16)))
+                   for i in range(4096))
+    h = kvwire.Header(arch=kvwire.Architecture(layers), token_count=1, dtype="f32")
+    with pytest.raises(ValueError, match="readers would reject this header .*FB_TOO_COMPLEX"):
+        kvwire.Encoder(h)
+    small = kvwire.Header(arch=kvwire.Architecture(layers[:8]), token_count=1, dtype="f32")
+    assert kvwire.Encoder(small).header.num_layers == 8

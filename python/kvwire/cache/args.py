@@ -42,3 +42,20 @@ def check_count(name: str, value) -> int:
     if n < 0:
         raise ValueError(f"{name} must be a non-negative integer, not {n}")
     return n
+
+
+def check_device(device):
+    """``device`` itself when it is None or a device torch accepts ("cpu", "cuda", "cuda:1",
+    a ``torch.device``); else a ValueError naming the valid forms (not torch's RuntimeError
+    from deep inside an allocation)."""
+    if device is None:
+        return None
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"device={device!r} needs torch (pip install torch); without it, leave device=None") from None
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, not {device!r}") from None
+    return device

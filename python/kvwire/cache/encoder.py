@@ -22,7 +22,8 @@ from ..format.container import (
     build_trailer, next_frame_offset, xxh3,
 )
 from ..format.crossmodel import with_state_bit
-from ..format.header import Header, build_header
+from ..format.errors import FormatError
+from ..format.header import Header, build_header, parse_header
 from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
 from .args import check_choice, check_count
 from .tensors import as_numpy, as_uint
@@ -48,6 +49,10 @@ class Encoder:
         self.codec = codec
         self._bodies = BodyEncoder(codec if isinstance(codec, str) and codec in ("raw", "zstd") else "raw", level)
         self._header_bytes = build_header(header)  # runs check_header
+        try:  # KVW-WRITE-1: never emit what the reader rejects; its parse budget (KVW-LIM-7, HDR-8) needs the bytes
+            parse_header(self._header_bytes)
+        except FormatError as exc:
+            raise ValueError(f"readers would reject this header ({exc.code}, {exc.rule}): {exc}") from None
         self._table = ChunkTable.of(header)
         self._filled = np.zeros(self._table.total, bool)
         self._records: list[np.ndarray] = []

@@ -22,6 +22,15 @@ class KVCache:
     __slots__ = ("header", "layers")
 
     def __init__(self, header: Header, layers: Sequence[Mapping[str, object]]):
+        if not isinstance(header, Header):
+            raise TypeError(f"header must be a kvwire.Header, not {type(header).__name__} (KVCache.from_tensors "
+                            "builds one from per-layer K and V tensors)")
+        if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
+            raise TypeError(f"layers must be a sequence of {{component: tensor}} mappings, one per layer, not "
+                            f"{type(layers).__name__}")
+        bad = next((i for i, layer in enumerate(layers) if not isinstance(layer, Mapping)), None)
+        if bad is not None:
+            raise TypeError(f"layer {bad} must be a {{component: tensor}} mapping, not {type(layers[bad]).__name__}")
         if len(layers) != header.num_layers:
             raise ValueError(f"{len(layers)} layers given, header describes {header.num_layers}")
         for i, (spec, r, layer) in enumerate(zip(header.arch.layers, header.layer_tokens, layers)):
@@ -55,8 +64,16 @@ class KVCache:
         Layers may differ in head count, head dims and token count (a layer with fewer
         tokens holds the most recent ones, as a sliding-window layer does).
         """
+        if any(isinstance(x, (str, bytes, Mapping)) or not isinstance(x, Sequence) for x in (keys, values)):
+            raise TypeError("keys and values must be sequences (one tensor per layer) of numpy arrays or torch "
+                            "tensors [heads, tokens, head_dim]")
         if len(keys) != len(values) or not keys:
             raise ValueError("need the same, non-zero number of key and value tensors")
+        bad = next((i for i, x in enumerate((*keys, *values)) if not hasattr(x, "shape") or not hasattr(x, "ndim")), None)
+        if bad is not None:
+            x = (*keys, *values)[bad]
+            raise TypeError(f"{'keys' if bad < len(keys) else 'values'}[{bad % len(keys)}] is a {type(x).__name__}, "
+                            "not a numpy array or torch tensor [heads, tokens, head_dim]")
         specs, ranges = [], []
         token_count = max(int(k.shape[1]) for k in keys)
         for i, (k, v) in enumerate(zip(keys, values)):

@@ -25,7 +25,7 @@ from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedErr
 from ..format.header import Header
 from ..format.state import STATE, state_tensor_of
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
-from .args import BACKENDS, check_choice, check_count, check_index
+from .args import BACKENDS, check_choice, check_count, check_device, check_index
 from .tensors import as_numpy, as_uint, carve, empty, is_torch, view, writable
 
 
@@ -255,6 +255,7 @@ class Reader:
             raise ValueError("a sparse container has per-head token subsets: use sparse_layer() or load()")
         layer = check_index("layer", layer, self.header.num_layers)
         check_choice("backend", backend, BACKENDS)
+        check_device(device)
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
         if spec.kind == "state":  # {"state": {name: tensor}} (spec/crossmodel.md)
             return self._state_layer(layer, verify, backend)
@@ -343,6 +344,7 @@ class Reader:
         """The whole cache in memory of its own (one allocation, carved into per-layer tensors);
         a ``SparseKVCache`` for a sparse container."""
         check_choice("backend", backend, BACKENDS)
+        check_device(device)
         if self.header.sparse is not None:
             from .sparse import read_sparse
 

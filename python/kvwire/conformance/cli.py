@@ -10,6 +10,7 @@ from .drivers import CommandImpl, default_impl_argv
 from .results import LEVELS
 from .runner import Runner
 from .vectors import find_vectors_root, load_vector_sets
+from ..tools.cliargs import positive, positive_float
 
 
 def _levels(text: str) -> tuple:
@@ -36,8 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"levels to run (default: {','.join(LEVELS)})")
     r.add_argument("--select", action="append", default=[], metavar="PATTERN",
                    help="only vectors / writer cases whose id matches (glob or substring; repeatable)")
-    r.add_argument("--jobs", "-j", type=int, default=None, help="parallel commands (default: CPU count)")
-    r.add_argument("--timeout", type=float, default=60.0, help="seconds per command before it counts as a hang")
+    r.add_argument("--jobs", "-j", type=positive, default=None, help="parallel commands (default: CPU count)")
+    r.add_argument("--timeout", type=positive_float, default=60.0, help="seconds per command before it counts as a hang")
     r.add_argument("--no-serve", action="store_true",
                    help="one process per command even if the implementation offers `serve`")
     r.add_argument("--lenient-codes", action="store_true",
@@ -55,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--junit", metavar="FILE", help="write JUnit XML here")
     x.add_argument("--markdown", metavar="FILE", help="write a Markdown report here")
     x.add_argument("--keep", metavar="DIR", help="keep the containers, jobs and receiver results in DIR")
-    x.add_argument("--timeout", type=float, default=600.0, help="seconds the receiver process may take")
+    x.add_argument("--timeout", type=positive_float, default=600.0, help="seconds the receiver process may take")
     x.add_argument("-q", "--quiet", action="store_true", help="print only non-passing checks and the table")
     x.set_defaults(func=cmd_crossmodel)
     i = sub.add_parser("impl", help="the reference implementation of the protocol (the default --impl)",

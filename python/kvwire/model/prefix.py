@@ -12,6 +12,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from ..format.header import Header
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, chain, num_chunks, prefix_root, token_bytes
 
 def covered_tokens(header, tokens: Sequence[int], *, fingerprint: bytes | None = None) -> int:
@@ -23,6 +24,9 @@ def covered_tokens(header, tokens: Sequence[int], *, fingerprint: bytes | None =
     is either 0 or at least p + 1: the tokens before p must come from elsewhere. A cache
     with state layers covers all of its tokens or none (KVW-STATE-6).
     """
+    if not isinstance(header, Header):
+        raise TypeError(f"header must be a kvwire.Header (Reader.header, kvwire.probe(...)), not "
+                        f"{type(header).__name__}")
     p = header.prefix
     if p is None or p.scheme != PREFIX_SCHEME:
         return 0

@@ -16,6 +16,7 @@ from ..format import registry as R
 from ..codecs import PRESETS
 from ..format.errors import FormatError
 from ..cache.files import open as kv_open
+from .cliargs import count, positive
 from .synth import synth_cache
 from ..cache.files import save
 
@@ -36,28 +37,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative; give an integer >= 0")
-    return n
-
-
-def _positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not allowed; give an integer >= 1")
-    return n
 
 
 def _os_message(exc: OSError) -> str:
@@ -172,30 +151,30 @@ def main(argv=None) -> int:
     s.set_defaults(func=cmd_validate)
     s = sub.add_parser("synth", help="write a seeded synthetic cache")
     s.add_argument("-o", "--output", required=True)
-    s.add_argument("--layers", type=_positive, default=4)
-    s.add_argument("--kv-heads", type=_positive, default=8)
-    s.add_argument("--head-dim", type=_positive, default=128)
-    s.add_argument("--tokens", type=_count, default=512)
+    s.add_argument("--layers", type=positive, default=4)
+    s.add_argument("--kv-heads", type=positive, default=8)
+    s.add_argument("--head-dim", type=positive, default=128)
+    s.add_argument("--tokens", type=count, default=512)
     s.add_argument("--dtype", default="bf16", choices=sorted(R.DTYPES))
-    s.add_argument("--chunk-tokens", type=_positive, default=256)
+    s.add_argument("--chunk-tokens", type=positive, default=256)
     s.add_argument("--codec", default="raw", choices=sorted(R.CODECS) + sorted(PRESETS),
                    help="a registry codec or a preset of spec/codecs.md (kvwire.codecs.PRESETS)")
-    s.add_argument("--seed", type=_count, default=0)
+    s.add_argument("--seed", type=count, default=0)
     s.set_defaults(func=cmd_synth)
     s = sub.add_parser("demo", help="prefill with a small model, save, continue in a fresh process; "
                                     "--synthetic: synthesize, save, reopen zero-copy, verify")
     s.add_argument("--synthetic", action="store_true", help="the core-only demo on a synthetic Llama-3-8B-shaped "
                                                             "cache (the fallback without torch/transformers)")
-    s.add_argument("--layers", type=_positive, default=None, help="model layers (default 4; synthetic: 32)")
-    s.add_argument("--tokens", type=_positive, default=None, help="prompt tokens (default 512; synthetic: 2048)")
-    s.add_argument("--new-tokens", type=_count, default=16, help="tokens generated from the loaded cache")
+    s.add_argument("--layers", type=positive, default=None, help="model layers (default 4; synthetic: 32)")
+    s.add_argument("--tokens", type=positive, default=None, help="prompt tokens (default 512; synthetic: 2048)")
+    s.add_argument("--new-tokens", type=count, default=16, help="tokens generated from the loaded cache")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("conformance", help="conformance kit: run the gold vectors against an implementation")
     from ..conformance.cli import configure as configure_conformance
 
     configure_conformance(s)
     from .fidelity import configure_cli as configure_fidelity
-    from ..codecs.policy import configure_cli as configure_plan
+    from .plan_cli import configure_cli as configure_plan
 
     configure_fidelity(sub.add_parser("fidelity", help="bits per element and model-level fidelity of codecs"))
     configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))

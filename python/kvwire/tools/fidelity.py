@@ -26,6 +26,7 @@ import numpy as np
 from ..cache.kvcache import KVCache
 from ..cache.files import load
 from ..cache.tensors import as_numpy, dtype_name
+from .cliargs import count, positive
 from ..cache.encoder import encode
 
 BF16_BITS = 16
@@ -360,11 +361,11 @@ def configure_cli(p) -> None:
     p.add_argument("--text", help="text file to draw prompts from (bytes are token ids)")
     p.add_argument("--cache", help="a .kvw container: tensor-level metrics only, no model needed")
     p.add_argument("--codec", action="append", help="codec or preset (repeatable; default: all presets)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--continuation", type=int, default=64, help="teacher-forced tokens scored for KL / top-1")
-    p.add_argument("--greedy", type=int, default=32, help="greedy tokens compared (0: skip)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=positive, default=8)
+    p.add_argument("--prompt-tokens", type=positive, default=512)
+    p.add_argument("--continuation", type=count, default=64, help="teacher-forced tokens scored for KL / top-1")
+    p.add_argument("--greedy", type=count, default=32, help="greedy tokens compared (0: skip)")
+    p.add_argument("--seed", type=count, default=0)
     p.add_argument("--json", help="also write the results as JSON to this path")
     p.set_defaults(func=cmd_fidelity)
 
