@@ -28,12 +28,12 @@ object with ``readinto()``.
 
 from .fanout import MemoryStore, SharedBuffers, encode_shared, fanout
 from .segments import DecodeWriter, Reassembler, read_segments
-from .reader import Layer, Placed, Reader
+from .reader import Layer, Placed, Reader, SparseNotSupported
 from .transport import StreamTimeout, TransferStats
 from .writer import Writer
 
 __all__ = [
     "DecodeWriter", "Layer", "MemoryStore", "Placed", "Reader", "Reassembler", "SharedBuffers", "StreamTimeout",
-    "TransferStats",
+    "SparseNotSupported", "TransferStats",
     "Writer", "encode_shared", "fanout", "read_segments",
 ]

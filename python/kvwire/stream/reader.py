@@ -30,6 +30,12 @@ from .transport import StreamTimeout, TransferStats, receiver_for
 __all__ = ["Layer", "Placed", "Reader"]
 
 
+
+class SparseNotSupported(ValueError):
+    """A valid sparse container on a layer-wise ``Reader``: its chunks hold one kv head each
+    and no layer is complete before all its heads are, so it is read with ``StreamDecoder``
+    or ``kvwire.open`` instead (raised right after the header, before any allocation)."""
+
 class Layer(NamedTuple):
     """One received layer: component name -> [heads, tokens, dim] array or tensor."""
 
@@ -176,8 +182,8 @@ class Reader:
             self._step()
         h = self.header
         if h.sparse is not None:
-            raise ValueError("stream.Reader reads dense containers; a sparse one (chunks of one head each) is read "
-                             "with kvwire.StreamDecoder or kvwire.open")
+            raise SparseNotSupported("stream.Reader reads dense containers; a sparse one (chunks of one head each) "
+                                     "is read with kvwire.StreamDecoder or kvwire.open")
         if implied_bytes(h) > max_decoded_bytes:  # before the receive buffer is sized from the header
             raise LimitError("DECODED_SIZE_LIMIT", f"the header implies {implied_bytes(h)} decoded bytes, more than "
                              f"max_decoded_bytes={max_decoded_bytes}", rule="KVW-LIM-8")

@@ -14,13 +14,13 @@ import numpy as np
 from ..format import registry as R
 from ..cache.kvcache import KVCache
 from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..format.errors import FormatError, LayoutError, TruncatedError
+from ..format.errors import LayoutError, TruncatedError
 from ..format.crossmodel import PrefixChain
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME
 from ..format.header import Header, default_layer_tokens
 from ..cache.tensors import as_numpy
 from ..cache.encoder import Encoder
-from .reader import Reader
+from .reader import Reader, SparseNotSupported
 from .transport import TransferStats, sender_for
 
 
@@ -149,15 +149,7 @@ def read_segments(source, **reader_options):
             r = Reader(source, **reader_options)
         except EOFError:
             return
-        except FormatError:
-            raise
-        except ValueError as exc:  # stream.Reader refuses a sparse header before receiving its chunks
-            if "sparse" not in str(exc):
-                raise
-            _mismatch("a sparse cache is not sent as segments: its token indices are per-head retained tokens, "
-                      "not positions")
-        if r.header.sparse is not None:  # (should the Reader accept sparse headers one day)
-            r.close()
+        except SparseNotSupported:  # refused right after the header, before its chunks are received
             _mismatch("a sparse cache is not sent as segments: its token indices are per-head retained tokens, "
                       "not positions")
         yield r.cache()
