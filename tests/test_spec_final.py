@@ -202,3 +202,25 @@ def test_stream_reader_refuses_a_sparse_container_after_the_header():
     with pytest.raises(kvwire.FormatError) as e:
         list(stream.read_segments(io.BytesIO(data)))
     assert e.value.code == "SEGMENT_MISMATCH"
+
+
+def test_err4_the_first_violation_in_reading_order_is_reported():
+    """KVW-ERR-4: with several defects the reader reports the first in the order of section
+    14.1: preamble before header (steps 1-2), header rules before records (step 3 before 6),
+    the first record before a later one (section 8.3), STATE-2 before ARCH-4 (step 3)."""
+    data = kvwire.encode(forge.small_cache())
+    lay = forge.layout(data)
+    # preamble reserved field and a corrupted header byte: the preamble is read first
+    two = forge.xor_byte(forge.patch_preamble(data, reserved=1), 32 + 8)
+    forge.expect(two, kvwire.LayoutError, "RESERVED_NONZERO", "KVW-PRE-3")
+    # a bad header checksum and a corrupted body: the header is checked before any body
+    two = forge.xor_byte(forge.patch_preamble(data, header_checksum=1), lay.bodies[-1][0])
+    forge.expect(two, kvwire.ChecksumError, "HEADER_CHECKSUM", "KVW-PRE-6")
+    # two corrupted bodies: the one of the earlier record is reported
+    two = forge.xor_byte(forge.xor_byte(data, lay.bodies[-1][0]), lay.bodies[1][0])
+    with forge.raises_code(kvwire.ChecksumError, "BODY_CHECKSUM", "KVW-CSUM-1") as e:
+        kvwire.open(two).validate()
+    assert "chunk 1 " in str(e.value)
+    # a state layer with source_layer 0 breaks ARCH-4 and STATE-2: STATE-2 is checked first
+    with forge.raises_code(kvwire.SchemaError, "STATE_INVALID", "KVW-STATE-2"):
+        parse_header(_state_header(source_layer=0, state_tensors=(StateTensor("n" * 257, (1, 2)),)))
