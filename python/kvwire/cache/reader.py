@@ -297,7 +297,7 @@ class Reader:
 
     def layer_for(self, receiver_layer: int):
         """Where a receiver layer's cache comes from under the header's layer map: a
-        ``kvwire.layermap.LayerSource`` (op, transmitted_layer, owner) (KVW-MAP-6)."""
+        ``kvwire.format.layermap.LayerSource`` (op, transmitted_layer, owner) (KVW-MAP-6)."""
         from ..format.layermap import layer_for
 
         return layer_for(self.header, receiver_layer)

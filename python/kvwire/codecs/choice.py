@@ -17,6 +17,7 @@ from .pipeline import lossy_range
 from .presets import resolve
 from .zstd import DEFAULT_ZSTD_LEVEL
 
+
 class CodecPlan:
     """Which pipeline encodes each chunk, decided before the header is built.
 

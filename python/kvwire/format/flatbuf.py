@@ -4,8 +4,8 @@ The official Python runtime trusts its input: reads past the end raise ``struct.
 negative offsets raise ``TypeError``, long strings are silently truncated. kvwire never
 hands untrusted bytes to it. Instead every table, vtable, vector and string is reached
 through :class:`Table`, which checks bounds, alignment and size before reading, and
-raises :class:`~kvwire.errors.HeaderError` with a stable code (spec KVW-HDR-2..8).
-The schema-specific decoding in ``header.py`` is written on top of this.
+raises :class:`~kvwire.format.errors.HeaderError` with a stable code (spec KVW-HDR-2..8).
+The schema-specific decoding (``header``, ``architecture`` and the other header parts) is written on top of this.
 
 :class:`Buffer` also keeps the parse budget of KVW-LIM-7: every table visit and every
 vector or string body decoded is charged before anything is materialised from it, against

@@ -3,7 +3,7 @@
 ``scatter`` copies each decoded chunk (a view of the container bytes for raw bodies)
 into the engine's buffers with one ``index_put_`` (or ``copy_`` for contiguous runs):
 one copy from the received bytes to the destination, none in between. On a device the
-bytes pass through the pinned staging ring of ``kvwire.cuda`` (host copy, DMA, device
+bytes pass through the pinned staging ring of ``kvwire.cache.cuda`` (host copy, DMA, device
 scatter), layer by layer, with an event per layer; ``ScatterHandle`` waits for them.
 
 A mixin of ``EngineBuffers`` (binding.py), which supplies the bound views and the
