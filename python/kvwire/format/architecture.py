@@ -22,7 +22,7 @@ from .errors import LimitError, SchemaError
 from .fbs import Architecture as fbArch
 from .fbs import LayerSpec as fbLayer
 from .fbs import RopeParams as fbRope
-from .fbfields import SCALAR, add_scalars, read_numbers, read_scalars, scalar_vector
+from .fbfields import SCALAR, add_scalars, offset_vector, read_numbers, read_scalars, scalar_vector
 from .flatbuf import Table
 from . import crossmodel as XM
 from .crossmodel import StateTensor
@@ -223,10 +223,7 @@ def build_architecture(b, arch: Architecture) -> int:
         if state is not None:
             fbLayer.AddStateTensors(b, state)
         spec_offs.append(fbLayer.End(b))
-    fbArch.StartLayerSpecsVector(b, len(spec_offs))
-    for off in reversed(spec_offs):
-        b.PrependUOffsetTRelative(off)
-    specs_vec = b.EndVector()
+    specs_vec = offset_vector(b, spec_offs)
     index_vec = scalar_vector(b, "u2", index)
     arch_rope = rope_off(arch.rope) if arch.rope is not None else None
     fbArch.Start(b)

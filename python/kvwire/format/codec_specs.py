@@ -17,6 +17,7 @@ import numpy as np
 
 from . import registry as R
 from .errors import CodecError, FeatureError, LimitError, SchemaError
+from .fbfields import offset_vector
 
 FEATURE_BIT = R.REQUIRED_FEATURES["codec_specs"]
 MAX_CODEC_SPECS = 4096  # KVW-CSPEC-2: codec_spec is a u16 index, 0 meaning "no spec"
@@ -105,10 +106,7 @@ def build_codec_specs(b, specs) -> int | None:
             if value != getattr(_DEFAULT, attr):
                 getattr(b, _SLOTS[code])(fid, _code(attr, value), None)
         offs.append(b.EndObject())
-    b.StartVector(4, len(offs), 4)
-    for off in reversed(offs):
-        b.PrependUOffsetTRelative(off)
-    return b.EndVector()
+    return offset_vector(b, offs)
 
 
 def _name(enum: dict, code: int, attr: str) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from . import limits as L
 from . import registry as R
 from .errors import LimitError, SchemaError
+from .fbfields import offset_vector
 from .fbs import PrefixChain as fbPrefix
 from .fbs import StateTensor as fbState
 from .prefix import HASH_SIZE, PREFIX_SCHEME, num_chunks, prefix_root
@@ -185,10 +186,7 @@ def build_state_tensors(b, tensors) -> int:
         if t.dtype != "f32":
             fbState.AddDtype(b, R.DTYPES[t.dtype][0])
         offs.append(fbState.End(b))
-    b.StartVector(4, len(offs), 4)
-    for off in reversed(offs):
-        b.PrependUOffsetTRelative(off)
-    return b.EndVector()
+    return offset_vector(b, offs)
 
 
 def read_state_tensors(t) -> tuple:

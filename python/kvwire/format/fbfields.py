@@ -35,6 +35,14 @@ _SLOT = {
 }
 
 
+def offset_vector(b: flatbuffers.Builder, offsets) -> int:
+    """A vector of tables already built (``offsets`` in element order)."""
+    b.StartVector(4, len(offsets), 4)
+    for off in reversed(offsets):
+        b.PrependUOffsetTRelative(off)
+    return b.EndVector()
+
+
 # ---------------------------------------------------------------------------------------
 # FlatBuffer encoding
 # ---------------------------------------------------------------------------------------

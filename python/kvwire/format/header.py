@@ -33,7 +33,7 @@ from .architecture import Architecture, build_architecture, check_architecture, 
 from .architecture import LayerSpec as LayerSpec, RopeParams as RopeParams
 from .engine_layout import EngineLayout, build_engine_layout, check_engine_layout, read_engine_layout
 from .engine_layout import MAX_LAYOUT_DIMS as MAX_LAYOUT_DIMS
-from .fbfields import SCALAR, enum_name, read_structs
+from .fbfields import SCALAR, enum_name, offset_vector, read_structs
 from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
 from .flatbuf import Buffer
 from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
@@ -301,10 +301,7 @@ def build_header(h: Header) -> bytes:
             fbKV.AddKey(b, k)
             fbKV.AddValue(b, v)
             kvs.append(fbKV.End(b))
-        fbHeader.StartCustomMetadataVector(b, len(kvs))
-        for off in reversed(kvs):
-            b.PrependUOffsetTRelative(off)
-        metadata = b.EndVector()
+        metadata = offset_vector(b, kvs)
     engine = build_engine_layout(b, h.engine_layout) if h.engine_layout is not None else None
     sparse = build_sparse(b, h.sparse) if h.sparse is not None else None
     codec_specs = build_codec_specs(b, h.codec_specs)
