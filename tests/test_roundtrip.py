@@ -643,3 +643,27 @@ def test_torch_views_never_write_into_read_only_input():
         t = r.chunk(0, "k", 0, backend="torch")
         off = int(r.record(0, "k", 0)["offset"])
         assert t.data_ptr() == np.frombuffer(writable, np.uint8)[off:].ctypes.data
+
+
+def test_torch_chunk_of_a_zstd_body_is_decoded_once():
+    """A zstd chunk read as a torch tensor is decompressed straight into its own writable
+    memory (torch has no read-only tensors): peak memory one raw chunk, not two."""
+    import tracemalloc
+
+    import torch
+
+    from kvwire.tools.synth import synth_cache
+
+    c = synth_cache(1, 8, 128, 4096, chunk_tokens=4096)
+    with kvwire.open(kvwire.encode(c, codec="zstd")) as r:
+        raw = r.info(0).raw_length
+        assert r.info(0).codec == "zstd"
+        tracemalloc.start()
+        try:
+            x = r.chunk(0, "k", backend="torch")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 1.3 * raw, peak / raw
+    assert torch.equal(x.view(torch.int16), torch.from_numpy(c.keys(0).view(np.int16)))
+    x[0, 0, 0] = 1  # writable, and its own memory

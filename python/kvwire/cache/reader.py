@@ -231,6 +231,8 @@ class Reader:
             if len(getattr(self, "_scratch", b"")) < c.raw_length:
                 self._scratch = bytearray(c.raw_length)
             out = memoryview(self._scratch)[: c.raw_length]
+        elif backend == "torch":  # decoded straight into fresh writable memory: no second copy for torch
+            out = np.empty(c.raw_length, np.uint8)
         data = self.decode_stored(i, c, stored, out)
         return view(writable(data) if backend == "torch" else data, 0, dtype, shape, backend)
 
