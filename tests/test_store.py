@@ -67,6 +67,8 @@ def test_store1_put_get_ranges_property(tmp_path_factory, value, ranges):
 
 
 def test_store1_protocol_both_backends(tmp_path):
+    """KVW-STORE-1/4 (put, misses), KVW-STORE-5 (batch forms), KVW-STORE-2 (bad keys are refused
+    before any I/O), on both backends."""
     for store in backends(tmp_path):
         assert store.get("x") is None and store.exists("x") is False  # a miss is None, not an error
         assert store.put_many([("p/1", b"one"), ("p/2", [b"t", memoryview(b"wo")]), ("q/3", b"3")]) == [True] * 3
