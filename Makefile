@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
+# The store tests start real Redis servers (tests/redisfix.py): install redis-server when it is missing.
 test: $(STAMP)
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (apt-get)"; \
+	    apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } || exit 1; \
+	  else \
+	    echo "make test needs redis-server: sudo apt-get install redis-server (or your system's package)" >&2; exit 1; \
+	  fi; }
 	$(PY) -m pytest -q
 
 # `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).

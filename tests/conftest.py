@@ -51,3 +51,54 @@ def form(request):
 @pytest.fixture(params=[(f, c) for f in FORMS for c in CODECS], ids=lambda p: f"{p[0]}-{p[1]}")
 def form_codec(request):
     return request.param
+
+
+# -- real Redis servers (tests/redisfix.py), shared by a session; a test that kills one gets it back --
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One plain redis-server for the session (tests that kill or reconfigure a server start their own)."""
+    from redisfix import RedisServer
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A three-master Redis cluster for the session."""
+    from redisfix import RedisCluster
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session server's URL, emptied (FLUSHALL) before the test."""
+    if not redis_server.running:
+        redis_server.restart()
+    c = redis_server.client()
+    try:
+        c.flushall()
+    finally:
+        c.close()
+    yield redis_server.url
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster):
+    """The session cluster's URL, every master emptied (FLUSHALL) before the test."""
+    if not all(n.running for n in redis_cluster.nodes):
+        for n in redis_cluster.nodes:
+            n.start()
+        redis_cluster.wait_ok()
+    for n in redis_cluster.nodes:
+        c = n.client()
+        try:
+            c.flushall()
+        finally:
+            c.close()
+    yield redis_cluster.url

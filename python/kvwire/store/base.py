@@ -37,6 +37,21 @@ def check_key(key) -> str:
     return key
 
 
+SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]*"
+KEYS_RE = re.compile(rf"(?:{SEGMENT}(?:/{SEGMENT})*\n)*")
+
+
+def check_keys(keys) -> list[str]:
+    """``check_key`` of every key of a batch, as one regular-expression pass over the
+    joined keys (a 512-key hit query is checked in microseconds, not a millisecond)."""
+    keys = list(keys)
+    if not all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH and "\n" not in k for k in keys) or not (
+            KEYS_RE.fullmatch("".join(k + "\n" for k in keys)) and all(k.isascii() for k in keys)):
+        for k in keys:
+            check_key(k)  # names the first bad key
+    return keys
+
+
 def resolve_range(byte_range, size: int) -> tuple[int, int]:
     """[start, stop) of ``byte_range`` in an object of ``size`` bytes (KVW-STORE-3).
 
@@ -81,6 +96,8 @@ class StoreStats:
     exists_calls: int = 0
     deletes: int = 0
     evictions: int = 0
+    round_trips: int = 0  # requests to a server (a pipelined batch is one per node)
+    unavailable: int = 0  # keys answered as misses because their node was down (a cluster)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -138,6 +155,18 @@ class Store:
         """Every key starting with ``prefix``, sorted."""
         raise NotImplementedError
 
+    def sizes(self, keys) -> list:
+        """The size in bytes of each key's object (None for a miss), in one batch: what
+        ``kvwire store ls`` and ``stats`` show, without reading object bytes."""
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        """What the backend knows of itself (objects, bytes, cap, server counters) beyond
+        this process's ``stats``: ``kvwire store stats`` prints it."""
+        keys = self.list()
+        return {"url": self.url, "backend": type(self).__name__, "objects": len(keys),
+                "bytes": sum(s or 0 for s in self.sizes(keys))}
+
     # batch forms
     def get_many(self, keys, byte_range=None) -> list:
         return [self.get(k, byte_range) for k in keys]
@@ -171,4 +200,4 @@ class Store:
         return f"{type(self).__name__}({self.url!r})"
 
 
-__all__ = ["MAX_KEY_LENGTH", "Store", "StoreError", "StoreStats", "as_buffers", "check_key", "resolve_range"]
+__all__ = ["MAX_KEY_LENGTH", "Store", "StoreError", "StoreStats", "as_buffers", "check_key", "check_keys", "resolve_range"]

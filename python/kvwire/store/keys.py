@@ -10,20 +10,32 @@ the fidelity of the codec (a lossy codec changes the decoded tensors, a lossless
 not) and the chunk size::
 
     kvw1/<fingerprint hex>/<dtype>/tp<rank>of<size>/l<start>-<stop>/<fidelity>/c<chunk_tokens>/<chunk hash hex>
+
+``KeySpace.parse`` reads a key back (a store listed by ``kvwire store``), and
+``header_mismatches`` says how an object's header disagrees with its key.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..codecs.presets import PRESETS
 from ..format import registry as R
-from ..format.prefix import HASH_SIZE, prefix_hashes
+from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_hashes
 
 KEY_VERSION = "kvw1"
 LOSSLESS = "lossless"
 LOSSLESS_CODECS = ("raw", "zstd", "byteplane")
 MAX_FINGERPRINT = 64
+_DEC = "(0|[1-9][0-9]*)"  # KVW-STORE-13: decimal, no sign, no leading zeros (ASCII digits only)
+_SEGMENTS = {  # segment name -> strict pattern (re.fullmatch); the values are checked after
+    "fingerprint": re.compile(rf"(?:[0-9a-f]{{2}}){{1,{MAX_FINGERPRINT}}}"),
+    "shard": re.compile(f"tp{_DEC}of{_DEC}"),
+    "layers": re.compile(f"l{_DEC}-{_DEC}"),
+    "chunk size": re.compile(f"c{_DEC}"),
+    "hash": re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}"),
+}
 
 
 def codec_fidelity(codec) -> str:
@@ -65,7 +77,7 @@ class KeySpace:
         a, b = self.layers
         if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b):
             raise ValueError(f"layer range {self.layers!r}: need 0 <= start < stop")
-        if self.fidelity != LOSSLESS and self.fidelity not in PRESETS:
+        if self.fidelity != LOSSLESS and (self.fidelity not in PRESETS or self.fidelity in LOSSLESS_CODECS):
             raise ValueError(f"fidelity {self.fidelity!r} is neither 'lossless' nor a lossy preset name")
 
     @classmethod
@@ -99,5 +111,84 @@ class KeySpace:
         """The keys of the chunk objects of ``tokens``, in order (KVW-STORE-11)."""
         return [self.key(h) for h in self.hashes(tokens, partial=partial)]
 
+    @classmethod
+    def parse(cls, key: str) -> tuple[KeySpace, bytes]:
+        """(space, chunk hash) of a key, the inverse of ``key``: strictly the layout of
+        KVW-STORE-13..16 (lower-case hex, decimals without leading zeros, 0 <= rank < size,
+        start < stop, a registry dtype, "lossless" or a lossy preset); anything else is a
+        ValueError naming the bad segment."""
+        if not isinstance(key, str):
+            raise TypeError(f"a store key is a str, not {type(key).__name__}")
+        parts = key.split("/")
+        if len(parts) != 8:
+            raise ValueError(f"key {key[:120]!r}: {len(parts)} segments, a {KEY_VERSION} key has 8 "
+                             f"({KEY_VERSION}/<fp>/<dtype>/tp<r>of<n>/l<a>-<b>/<fidelity>/c<C>/<hash>)")
+        version, fp, dtype, shard, layers, fidelity, chunk, h = parts
+        if version != KEY_VERSION:
+            raise ValueError(f"key {key[:120]!r}: version segment {version!r} is not {KEY_VERSION!r}")
+        found = {}
+        for name, text in (("fingerprint", fp), ("shard", shard), ("layers", layers), ("chunk size", chunk),
+                           ("hash", h)):
+            m = _SEGMENTS[name].fullmatch(text)
+            if m is None:
+                raise ValueError(f"key {key[:120]!r}: bad {name} segment {text!r} ({_EXPECT[name]})")
+            found[name] = [int(g) for g in m.groups()]
+        if dtype not in R.DTYPES:
+            raise ValueError(f"key {key[:120]!r}: bad dtype segment {dtype!r}; one of {', '.join(R.DTYPES)}")
+        if fidelity != LOSSLESS and (fidelity not in PRESETS or fidelity in LOSSLESS_CODECS):
+            lossy = [p for p in PRESETS if p not in LOSSLESS_CODECS]
+            raise ValueError(f"key {key[:120]!r}: bad fidelity segment {fidelity!r}; {LOSSLESS!r} or one of "
+                             f"{', '.join(lossy)} (KVW-STORE-15)")
+        (rank, size), (a, b), (c,) = found["shard"], found["layers"], found["chunk size"]
+        if not rank < size:
+            raise ValueError(f"key {key[:120]!r}: bad shard segment {shard!r}: need rank < size (KVW-STORE-16)")
+        if not a < b:
+            raise ValueError(f"key {key[:120]!r}: bad layers segment {layers!r}: need start < stop (KVW-STORE-16)")
+        if not 1 <= c < 1 << 32:
+            raise ValueError(f"key {key[:120]!r}: bad chunk size segment {chunk!r}: need 1 <= C < 2**32")
+        return cls(bytes.fromhex(fp), dtype, c, (a, b), rank, size, fidelity), bytes.fromhex(h)
 
-__all__ = ["KEY_VERSION", "LOSSLESS", "KeySpace", "codec_fidelity"]
+
+_EXPECT = {
+    "fingerprint": f"1..{MAX_FINGERPRINT} bytes in lower-case hex",
+    "shard": "tp<rank>of<size>, decimals without leading zeros",
+    "layers": "l<start>-<stop>, decimals without leading zeros",
+    "chunk size": "c<C>, a decimal without leading zeros",
+    "hash": f"{2 * HASH_SIZE} lower-case hex digits",
+}
+
+
+def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
+    """How an object's header disagrees with its key, as far as key and header alone
+    decide (KVW-STORE-17): fingerprint, dtype, chunk size, number of layers, token count
+    in 1..C, first position a multiple of C, a scheme-1 prefix chain whose hashes are the
+    key's hash. Empty when the header agrees. (Whether ``first_position`` is the right
+    multiple, and whether the architecture matches the neighbouring chunks, needs the
+    request's tokens and is the loader's check.)"""
+    C, out = space.chunk_tokens, []
+    fp = header.model.compat_fingerprint
+    if fp != space.fingerprint:
+        out.append(f"compat fingerprint {fp.hex() or '(none)'} != key's {space.fingerprint.hex()}")
+    if header.dtype != space.dtype:
+        out.append(f"dtype {header.dtype} != key's {space.dtype}")
+    if header.chunk_tokens != C:
+        out.append(f"chunk_tokens {header.chunk_tokens} != key's {C}")
+    want_layers = space.layers[1] - space.layers[0]
+    if header.num_layers != want_layers:
+        out.append(f"{header.num_layers} layers != key's l{space.layers[0]}-{space.layers[1]} ({want_layers})")
+    if not 1 <= header.token_count <= C:
+        out.append(f"token_count {header.token_count} not in 1..{C}")
+    if header.first_position % C:
+        out.append(f"first_position {header.first_position} is not a multiple of {C}")
+    p = header.prefix
+    if p is None:
+        out.append("no prefix chain (KVW-STORE-11 needs one)")
+    else:
+        if p.scheme != PREFIX_SCHEME:
+            out.append(f"prefix chain scheme {p.scheme} != {PREFIX_SCHEME}")
+        if p.hashes != bytes(chunk_hash):
+            out.append(f"prefix chain hashes {p.hashes.hex()[:80] or '(none)'} != key's hash {bytes(chunk_hash).hex()}")
+    return out
+
+
+__all__ = ["KEY_VERSION", "LOSSLESS", "KeySpace", "codec_fidelity", "header_mismatches"]

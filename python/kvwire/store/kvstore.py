@@ -2,36 +2,68 @@
 
 Why per chunk: two requests that share a prefix share the objects of the shared chunks,
 and a prompt's hit query is one batch ``exists`` over its chunk keys, reading no tensor
-bytes. Each object is an ordinary container (all layers of ``chunk_tokens`` tokens,
+bytes. Each object is an ordinary container (the key's layers of ``chunk_tokens`` tokens,
 ``first_position`` = k * chunk_tokens, a one-hash ``PrefixChain`` rooted in the previous
 chunk's hash, KVW-PREFIX-5), so ``kvwire validate`` reads it and nothing about the store
 is hidden in the bytes.
 
+Writing checks which objects exist first (one ``exists_many``; existing ones are not even
+encoded), then hands the encoder's buffers (raw bodies are views of the caller's arrays)
+to ``put_many`` unjoined, in batches of at most ``batch_bytes`` (256 MiB on a networked
+backend: one round trip for a usual prompt, not one per chunk; 16 MiB in process and on
+local files, where a call costs nothing and a batch that stays in the CPU cache is faster).
+
 Loading reads every object's header with one batched ranged get (``HEAD_BYTES`` from the
 start; the rest only when the header says it is longer), checks that the object is the
-one the key promises (fingerprint, dtype, position, prefix hash, architecture), and only
-then reads and decodes the bodies with checksums verified. A corrupted or mismatched
-object is counted, deleted and treated as a miss: never returned.
+one the key promises (fingerprint, dtype, position, prefix hash, layers, architecture),
+then reads the bodies of all the objects that passed with one ``get_many`` (per
+``batch_bytes`` of them) and decodes each chunk, checksums verified, straight into its
+token slice of the result: arrays of the final size cut from one allocation (which gets
+huge pages: faulted in 2-3x faster than one allocation per array), no per-chunk cache,
+no concatenation. A corrupted or mismatched object is counted, deleted
+and treated as a miss, never returned (KVW-STORE-17); the hits end at the first miss,
+and the result is then a view of the leading tokens of those arrays (no second copy).
+
+Layer ranges (KVW-STORE-16, ``l<start>-<stop>``): ``put_cache(..., layers=(a, b))`` stores
+model layers [a, b) alone (a pipeline-parallel stage, a layer-wise writer). The container
+says which model layers it holds with the format's own means, a layer map (kvwire-v1.md
+section 7): receiver layer ``a + i`` is a ``copy`` of transmitted layer ``i``, and the
+model's other layers, not listed, are recomputed by a receiver (KVW-MAP-6); the
+compatibility check (crossmodel.md, KVW-XM-6) then compares the right layers, and
+``layer_weights_fingerprints`` are cut to the held layers. A cache that holds every layer
+keeps its header's map (usually none). The reader checks ``num_layers == b - a`` and, for
+``a > 0``, that the object's layer map is exactly that range map. A cache whose header
+carries such a range map (a ``get_cache`` of a layer range) holds those model layers, so
+``put_cache`` keys it under them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..cache.encoder import iter_buffers
 from ..cache.kvcache import KVCache
 from ..cache.reader import Reader, probe
-from ..cache.tensors import as_numpy
+from ..cache.tensors import as_numpy, carve
 from ..format.crossmodel import PrefixChain
 from ..format.errors import ChecksumError, FormatError, TruncatedError
-from ..format.header import TokenRange
-from ..format.prefix import PREFIX_SCHEME, prefix_hashes, prefix_root
+from ..format.header import LayerMapEntry, TokenRange
+from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_root
 from .base import Store
-from .keys import KeySpace
+from .local import LocalStore
+from .memory import MemoryStore
+from .keys import KeySpace, codec_fidelity
 
 HEAD_BYTES = 64 << 10  # first ranged read of an object: enough for the header of any usual model
+# Object bytes per put_many / get_many batch: one round trip per batch on a networked backend, and a
+# bound on the memory one batch holds. In-process and local-file stores pay nothing per call, and
+# batches that stay in the CPU's cache measured 20-25% faster there (zstd puts, LocalStore gets) than
+# 64-256 MiB ones (fresh memory, cold data), so they take the small bound.
+BATCH_BYTES = 256 << 20
+LOCAL_BATCH_BYTES = 16 << 20
 
 
 @dataclass
@@ -49,61 +81,127 @@ class LoadResult:
     chunks: int
 
 
+def range_map(start: int, stop: int) -> tuple:
+    """The layer map of a container holding model layers [start, stop): receiver layer
+    ``start + i`` copies transmitted layer ``i`` (the others, unlisted, are recomputed)."""
+    return tuple(LayerMapEntry(start + i, i, "copy") for i in range(stop - start))
+
+
+def held_layers(header) -> tuple[int, int]:
+    """The model layers [start, stop) a cache holds: its range map's, else all of its own."""
+    n, m = header.num_layers, header.layer_map
+    if m and len(m) == n and m == range_map(m[0].receiver_layer, m[0].receiver_layer + n):
+        return m[0].receiver_layer, m[0].receiver_layer + n
+    return 0, n
+
+
 class KVStore:
     """Chunk objects of KV caches in a ``Store`` (``MemoryStore``, ``LocalStore``, ...)."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, batch_bytes: int | None = None):
+        """``batch_bytes``: object bytes per ``put_many``/``get_many`` batch (default
+        ``LOCAL_BATCH_BYTES`` for ``MemoryStore``/``LocalStore``, else ``BATCH_BYTES``)."""
         if not isinstance(store, Store):
             raise TypeError(f"KVStore needs a kvwire.store.Store (open_store(url)), not {type(store).__name__}")
-        self.store = store
+        if batch_bytes is None:
+            batch_bytes = LOCAL_BATCH_BYTES if isinstance(store, (MemoryStore, LocalStore)) else BATCH_BYTES
+        if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes < 1:
+            raise ValueError(f"batch_bytes must be None or a positive int, not {batch_bytes!r}")
+        self.store, self.batch_bytes = store, batch_bytes
         self.counts = dict(hits=0, misses=0, queries=0, objects_written=0, objects_skipped=0,
-                           checksum_failures=0, corrupt=0, incompatible=0)
+                           checksum_failures=0, corrupt=0, incompatible=0, bytes_read=0, bytes_written=0)
+        self.last_get = dict(seconds=0.0, bytes=0, tensor_bytes=0)
+        self.last_put = dict(seconds=0.0, bytes=0, tensor_bytes=0)
 
     # -- writing -------------------------------------------------------------------------
     def put_cache(self, cache, tokens, *, codec="raw", tp_rank: int = 0, tp_size: int = 1,
-                  partial: bool = False) -> PutResult:
+                  partial: bool = False, layers: tuple[int, int] | None = None) -> PutResult:
         """Store the whole chunks of ``cache`` (and its trailing partial chunk when
-        ``partial``); chunks whose object exists are not encoded or written again."""
-        space, toks = self._check_cache(cache, tokens, codec, tp_rank, tp_size)
-        h, C = cache.header, space.chunk_tokens
+        ``partial``); chunks whose object exists are not encoded or written again.
+
+        ``layers=(a, b)``: only model layers [a, b) (default: all the cache holds), keyed
+        under ``l<a>-<b>`` (KVW-STORE-16); read them back with ``KeySpace(..., layers=(a, b))``.
+        """
+        t0 = time.perf_counter()
+        space, toks, sub = self._check_cache(cache, tokens, codec, tp_rank, tp_size, layers)
+        h, C = sub.header, space.chunk_tokens
         hashes = space.hashes(toks, partial=partial)
         keys = [space.key(x) for x in hashes]
         there = self.store.exists_many(keys)
-        out = PutResult(keys=keys, skipped=sum(there))
+        out = PutResult(keys=keys, skipped=sum(map(bool, there)))
         root = prefix_root(space.fingerprint, C)
+        per_token = token_bytes(h)
+        batch: list = []
+        size = tensor = 0
         for k, (key, present) in enumerate(zip(keys, there)):
             if present:
                 continue
             a, b = k * C, min((k + 1) * C, h.token_count)
-            prev = root if k == 0 else hashes[k - 1]
-            sub = KVCache(h.replace(token_count=b - a, first_position=a,
-                                    prefix=PrefixChain(PREFIX_SCHEME, prev, hashes[k])),
-                          [{c: x[:, a:b, :] for c, x in layer.items()} for layer in cache.layers])
-            before = self.store.stats.bytes_out
-            if self.store.put(key, iter_buffers(sub, form="file", codec=codec)):
-                out.written += 1
-                out.bytes_out += self.store.stats.bytes_out - before
-            else:
-                out.skipped += 1
+            obj = KVCache(h.replace(token_count=b - a, first_position=a,
+                                    prefix=PrefixChain(PREFIX_SCHEME, root if k == 0 else hashes[k - 1], hashes[k])),
+                          [{c: x[:, a:b, :] for c, x in layer.items()} for layer in sub.layers])
+            bufs = list(iter_buffers(obj, form="file", codec=codec))  # raw bodies: views of the caller's arrays
+            n = sum(memoryview(x).nbytes for x in bufs)
+            if batch and size + n > self.batch_bytes:
+                self._put_batch(batch, out)
+                batch, size = [], 0
+            batch.append((key, bufs, n))
+            size += n
+            tensor += per_token * (b - a)
+        if batch:
+            self._put_batch(batch, out)
         self.counts["objects_written"] += out.written
         self.counts["objects_skipped"] += out.skipped
+        self.counts["bytes_written"] += out.bytes_out
+        self.last_put = dict(seconds=time.perf_counter() - t0, bytes=out.bytes_out, tensor_bytes=tensor)
         return out
 
+    def _put_batch(self, batch, out: PutResult) -> None:
+        """One ``put_many`` of (key, buffers) items: one round trip on a networked backend."""
+        done = self.store.put_many([(key, bufs) for key, bufs, _ in batch])
+        for (_, _, n), written in zip(batch, done):
+            if written:
+                out.written += 1
+                out.bytes_out += n
+            else:
+                out.skipped += 1  # another writer published it first (KVW-STORE-1)
+
     @staticmethod
-    def _check_cache(cache, tokens, codec, tp_rank, tp_size):
+    def _check_cache(cache, tokens, codec, tp_rank, tp_size, layers):
+        h = getattr(cache, "header", None)
+        if getattr(h, "sparse", None) is not None:
+            raise ValueError("the store holds dense caches of full-attention layers, not sparse (evicted) ones "
+                             "(spec/sparse.md): store the dense cache")
         if not isinstance(cache, KVCache):
             raise TypeError(f"put_cache needs a kvwire.KVCache, not {type(cache).__name__}")
-        h = cache.header
-        if h.sparse is not None or any(s.kind != "full_attention" for s in h.arch.layers):
-            raise ValueError("the store holds caches of full-attention layers (no sparse, state or "
-                             "sliding-window layers yet)")
+        other = sorted({s.kind for s in h.arch.layers} - {"full_attention"})
+        if other:
+            raise ValueError(f"the store holds caches of full_attention layers only; this one has "
+                             f"{', '.join(other)} layers (no sliding-window, chunked, MLA, shared or state layers "
+                             "yet)")
         if h.first_position != 0 or any(r != TokenRange(0, h.token_count) for r in h.layer_tokens):
             raise ValueError("the store holds caches from position 0 whose layers all hold every token")
         toks = np.asarray(tokens)
         if toks.ndim != 1 or len(toks) != h.token_count:
             raise ValueError(f"tokens: {len(toks) if toks.ndim == 1 else 'not 1-D'} token ids for a cache of "
                              f"{h.token_count} tokens")
-        return KeySpace.of(h, tp_rank=tp_rank, tp_size=tp_size, codec=codec), toks
+        held = held_layers(h)
+        a, b = held if layers is None else _layer_range(layers, held)
+        if (a, b) != held and h.layer_map and h.layer_map != range_map(*held):
+            raise ValueError("a layer range of a cache with a layer map is not supported: store all its layers "
+                             "(layers=None)")
+        space = KeySpace(fingerprint=h.model.compat_fingerprint, dtype=h.dtype, chunk_tokens=h.chunk_tokens,
+                         layers=(a, b), tp_rank=tp_rank, tp_size=tp_size, fidelity=codec_fidelity(codec))
+        lo, hi = a - held[0], b - held[0]
+        arrays = [{c: as_numpy(x) for c, x in layer.items()} for layer in cache.layers[lo:hi]]  # a GPU layer: once
+        if (a, b) == held:
+            return space, toks, KVCache(h, arrays)
+        m = h.model
+        if m.layer_weights_fingerprints:  # 32 bytes per held layer (KVW-ID-7)
+            m = replace(m, layer_weights_fingerprints=m.layer_weights_fingerprints[HASH_SIZE * lo:HASH_SIZE * hi])
+        sub = h.replace(arch=replace(h.arch, layers=h.arch.layers[lo:hi]), layer_tokens=h.layer_tokens[lo:hi],
+                        model=m, layer_map=range_map(a, b))
+        return space, toks, KVCache(sub, arrays)
 
     # -- the hit query -------------------------------------------------------------------
     def leading_hits(self, keys) -> int:
@@ -113,35 +211,40 @@ class KVStore:
 
     # -- reading -------------------------------------------------------------------------
     def get_cache(self, tokens, space: KeySpace, n_chunks: int | None = None) -> LoadResult:
-        """The leading stored chunks of ``tokens`` (at most ``n_chunks``) as one KVCache."""
+        """The leading stored chunks of ``tokens`` (at most ``n_chunks``) as one KVCache of
+        the space's layers."""
+        t0 = time.perf_counter()
         if not isinstance(space, KeySpace):
             raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
         if n_chunks is not None and (not isinstance(n_chunks, int) or isinstance(n_chunks, bool) or n_chunks < 0):
             raise ValueError(f"n_chunks must be None or an int >= 0, not {n_chunks!r}")
-        hashes = space.hashes(tokens, partial=True)[:n_chunks]
+        toks = np.asarray(tokens)
+        if n_chunks is not None and toks.ndim == 1:
+            toks = toks[:n_chunks * space.chunk_tokens]  # the chain is sequential: later tokens change nothing
+        hashes = space.hashes(toks, partial=True)
         keys = [space.key(x) for x in hashes]
         heads = self.store.get_many(keys, (0, HEAD_BYTES))
-        parts: list[KVCache] = []
+        read = [sum(len(x) for x in heads if x is not None)]  # object bytes this call read
+        checked: list = []  # (key, header, first bytes) of the leading objects whose header passed
         for k, (key, head) in enumerate(zip(keys, heads)):
-            got = None if head is None else self._object(key, head, k, hashes[k], space, parts)
+            got = None if head is None else self._check_head(key, head, k, hashes[k], space, checked, read)
             if got is None:
                 break
-            parts.append(got)
-        self.counts["hits"] += len(parts)
-        self.counts["misses"] += len(keys) - len(parts)
-        if not parts:
-            return LoadResult(None, 0, 0)
-        first, total = parts[0].header, sum(p.header.token_count for p in parts)
-        header = first.replace(token_count=total, first_position=0, prefix=PrefixChain(
-            PREFIX_SCHEME, prefix_root(space.fingerprint, space.chunk_tokens),
-            prefix_hashes(np.asarray(tokens)[:total], space.chunk_tokens, space.fingerprint)))
-        layers = [{c: np.concatenate([as_numpy(p.layers[i][c]) for p in parts], axis=1) for c in first_layer}
-                  for i, first_layer in enumerate(parts[0].layers)]
-        return LoadResult(KVCache(header, layers), total, len(parts))
+            checked.append(got)
+        del heads
+        cache, hits, total = self._decode_all(checked, space, hashes, read)
+        self.counts["hits"] += hits
+        self.counts["misses"] += len(keys) - hits
+        self.counts["bytes_read"] += read[0]
+        self.last_get = dict(seconds=time.perf_counter() - t0, bytes=read[0],
+                             tensor_bytes=cache.nbytes if cache is not None else 0)
+        return LoadResult(cache, total, hits)
 
     load = get_cache
 
-    def _object(self, key, head, k, want_hash, space, parts) -> KVCache | None:
+    def _check_head(self, key, head, k, want_hash, space, checked, read):
+        """(key, header, head) when the object's header is the one the key promises, else
+        None (the object counted and deleted: KVW-STORE-17)."""
         try:
             try:
                 h = probe(head)
@@ -151,39 +254,115 @@ class KVStore:
                 head = self.store.get(key, (0, exc.needed))
                 if head is None:
                     return None
+                read[0] += len(head)
                 h = probe(head)
-            if not self._matches(h, k, want_hash, space, parts):
+        except FormatError:
+            self.counts["corrupt"] += 1
+            self.store.delete(key)
+            return None
+        if not self._matches(h, k, want_hash, space, checked):
+            self.counts["incompatible"] += 1
+            self.store.delete(key)
+            return None
+        return key, h, head
+
+    @staticmethod
+    def _matches(h, k, want_hash, space, checked) -> bool:
+        C, p, (a, b) = space.chunk_tokens, h.prefix, space.layers
+        return (h.model.compat_fingerprint == space.fingerprint and h.dtype == space.dtype
+                and h.chunk_tokens == C and h.first_position == k * C and 0 < h.token_count <= C
+                and h.num_layers == b - a and h.sparse is None and (a == 0 or h.layer_map == range_map(a, b))
+                and p is not None and p.scheme == PREFIX_SCHEME and p.hashes == want_hash
+                and (not checked or (h.arch == checked[0][1].arch and checked[-1][1].token_count == C)))
+
+    def _decode_all(self, checked, space, hashes, read):
+        """(cache, chunks served, tokens) of the checked objects: bodies by batched
+        ``get_many``, each decoded into its token slice of arrays of the final size."""
+        if not checked:
+            return None, 0, 0
+        first = checked[0][1]
+        total = sum(h.token_count for _, h, _ in checked)
+        shapes = [s.shape(c, total) for s in first.arch.layers for c in s.components]
+        slabs = iter(carve(shapes, first.dtype, "numpy"))  # one allocation of the final size: huge pages
+        outs = [{c: next(slabs) for c in s.components} for s in first.arch.layers]
+        per_token, C = token_bytes(first), space.chunk_tokens
+        hits, i = 0, 0
+        while i == hits < len(checked):
+            j, size = i, 0  # the next batch: objects i..j-1 of at most batch_bytes (estimated: tensor bytes)
+            while j < len(checked) and (j == i or size + per_token * checked[j][1].token_count <= self.batch_bytes):
+                size += per_token * checked[j][1].token_count
+                j += 1
+            need = [n for n in range(i, j) if len(checked[n][2]) >= HEAD_BYTES]  # the rest were read whole
+            bodies = dict(zip(need, self.store.get_many([checked[n][0] for n in need]))) if need else {}
+            read[0] += sum(len(x) for x in bodies.values() if x is not None)
+            for n in range(i, j):
+                key, h, head = checked[n]
+                buf = bodies.pop(n, head)
+                if buf is None or not self._decode_into(key, h, buf, outs, n * C):
+                    break  # evicted between the two reads, or corrupt: the hits end here
+                hits += 1
+            i = j
+        if not hits:
+            return None, 0, 0
+        served = sum(h.token_count for _, h, _ in checked[:hits])
+        if served < total:  # the leading tokens only: views, no second copy
+            outs = [{c: x[:, :served, :] for c, x in layer.items()} for layer in outs]
+        header = first.replace(token_count=served, first_position=0, prefix=PrefixChain(
+            PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(hashes[:hits])))
+        return KVCache(header, outs), hits, served
+
+    def _decode_into(self, key, h, buf, outs, start: int) -> bool:
+        """Decode one object, checksums verified, into tokens [start, start + count) of
+        ``outs``; False (the object counted and deleted) when it fails."""
+        try:
+            r = Reader(buf)
+            if r.header != h:  # objects are immutable: a changed one is not the one checked
                 self.counts["incompatible"] += 1
                 self.store.delete(key)
-                return None
-            buf = head if len(head) < HEAD_BYTES else self.store.get(key)
-            if buf is None:
-                return None  # evicted between the two reads: a miss
-            return Reader(buf).load(verify=True)
+                return False
+            stop = start + h.token_count
+            for i, layer in enumerate(outs):
+                r.layer(i, verify=True, out={c: x[:, start:stop, :] for c, x in layer.items()})
+            return True
         except ChecksumError:
             self.counts["checksum_failures"] += 1
         except FormatError:
             self.counts["corrupt"] += 1
         self.store.delete(key)
-        return None
-
-    @staticmethod
-    def _matches(h, k, want_hash, space, parts) -> bool:
-        C, p = space.chunk_tokens, h.prefix
-        return (h.model.compat_fingerprint == space.fingerprint and h.dtype == space.dtype
-                and h.chunk_tokens == C and h.first_position == k * C and 0 < h.token_count <= C
-                and h.num_layers == space.layers[1] - space.layers[0] and h.sparse is None
-                and p is not None and p.scheme == PREFIX_SCHEME and p.hashes == want_hash
-                and (not parts or (h.arch == parts[0].header.arch and parts[-1].header.token_count == C)))
+        return False
 
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """This KVStore's chunk counts (hits, misses, hit_rate, objects written/skipped,
-        checksum failures...) and its store's byte and eviction counters."""
+        checksum failures, bytes_read/bytes_written of its own objects), the last
+        ``get_cache``/``put_cache`` (``last_get_*``/``last_put_*``: seconds, object bytes,
+        tensor bytes, and ``*_gbps`` = tensor bytes / wall seconds / 1e9; a put counts only
+        the chunks it encoded) and its store's byte and eviction counters."""
         s = self.store.stats
         asked = self.counts["hits"] + self.counts["misses"]
-        return {**self.counts, "hit_rate": self.counts["hits"] / asked if asked else 0.0,
+        last = {}
+        for name, d in (("get", self.last_get), ("put", self.last_put)):
+            last.update({f"last_{name}_{k}": v for k, v in d.items()})
+            last[f"last_{name}_gbps"] = d["tensor_bytes"] / d["seconds"] / 1e9 if d["seconds"] else 0.0
+        return {**self.counts, "hit_rate": self.counts["hits"] / asked if asked else 0.0, **last,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
 
 
-__all__ = ["HEAD_BYTES", "KVStore", "LoadResult", "PutResult"]
+def token_bytes(header) -> int:
+    """Tensor bytes of one token over every layer and component of ``header``."""
+    return header.itemsize * sum(int(np.prod(s.shape(c, 1))) for s in header.arch.layers for c in s.components)
+
+
+def _layer_range(layers, held) -> tuple[int, int]:
+    if (not isinstance(layers, tuple) or len(layers) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+        raise ValueError(f"layers must be None or a (start, stop) tuple of ints, not {layers!r}")
+    a, b = layers
+    if not held[0] <= a < b <= held[1]:
+        raise ValueError(f"layers {layers!r}: need {held[0]} <= start < stop <= {held[1]} (the model layers "
+                         "the cache holds)")
+    return a, b
+
+
+__all__ = ["BATCH_BYTES", "HEAD_BYTES", "LOCAL_BATCH_BYTES", "KVStore", "LoadResult", "PutResult", "held_layers",
+           "range_map"]

@@ -140,6 +140,42 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         return sorted(k for k, _, _ in self._walk() if k.startswith(prefix))
 
+    def sizes(self, keys) -> list:
+        """Each key's file size by ``lstat`` (None: no regular file), reading no bytes."""
+        out = []
+        for path in [self.path(k) for k in keys]:
+            try:
+                st = os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                out.append(None)
+                continue
+            except OSError as exc:
+                raise StoreError(f"{self.url}: stat of {path!r} failed: {exc}") from exc
+            out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+        return out
+
+    def info(self) -> dict:
+        """Objects and bytes of the directory (one walk), its cap, and the dot-named
+        temporaries: all of them and those older than an hour that ``gc`` removes."""
+        objects = total = 0
+        for _, size, _ in self._walk():
+            objects += 1
+            total += size
+        temps = stale = 0
+        now = time.time()
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                try:
+                    age = now - os.lstat(os.path.join(dirpath, name)).st_mtime
+                except FileNotFoundError:
+                    continue
+                temps += 1
+                stale += age > STALE_TEMP_SECONDS
+        return {"url": self.url, "backend": type(self).__name__, "root": self.root, "objects": objects,
+                "bytes": total, "max_bytes": self.max_bytes, "temporaries": temps, "stale_temporaries": stale}
+
     def _walk(self):
         """(key, size, atime_ns) of every object; dot names (temporaries) are skipped."""
         for dirpath, dirs, files in os.walk(self.root):

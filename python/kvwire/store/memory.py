@@ -83,6 +83,17 @@ class MemoryStore(Store):
         with self._lock:
             return sorted(k for k in self._items if k.startswith(prefix))
 
+    def sizes(self, keys) -> list:
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            return [None if (v := self._items.get(k)) is None else len(v) for k in keys]
+
+    def info(self) -> dict:
+        with self._lock:
+            objects, total = len(self._items), self._size
+        return {"url": self.url, "backend": type(self).__name__, "objects": objects, "bytes": total,
+                "max_bytes": self.max_bytes}
+
     @property
     def total_bytes(self) -> int:
         return self._size

@@ -1,7 +1,8 @@
 """``open_store(url)``: a store from a URL, so configuration names a backend with one string.
 
-Only the schemes implemented in this package are accepted; any other (``redis://``,
-``s3://`` ...) fails at once with the list of supported schemes rather than at first use.
+Only the schemes implemented in this package are accepted; any other (``s3://`` ...) fails
+at once with the list of supported schemes rather than at first use. redis-py is imported
+only when a redis URL is opened, so the core needs no Redis client.
 """
 
 from __future__ import annotations
@@ -9,15 +10,19 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from .base import Store, StoreError
+from .cluster import open_cluster
 from .local import LocalStore
 from .memory import MemoryStore
+from .redis import open_redis
 
-SCHEMES = ("file", "memory")
+SCHEMES = ("file", "memory", "redis", "redis-cluster")
 
 
 def open_store(url: str, **options) -> Store:
     """``file:///abs/dir`` or ``file://rel/dir`` (LocalStore; options: max_bytes, fsync),
-    ``memory://`` (MemoryStore; option: max_bytes)."""
+    ``memory://`` (MemoryStore; option: max_bytes), ``redis://[user:password@]host:port/db``
+    (RedisStore) and ``redis-cluster://host:port[,host:port...]`` (RedisClusterStore; options:
+    timeout, connect_timeout in seconds)."""
     if not isinstance(url, str):
         raise TypeError(f"open_store needs a URL string, not {type(url).__name__}")
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -30,8 +35,12 @@ def open_store(url: str, **options) -> Store:
         if not path:
             raise StoreError(f"{url!r}: a file:// URL needs a directory (file:///var/cache/kvwire)")
         return LocalStore(path, **options)
+    if scheme == "redis":
+        return open_redis(url, **options)
+    if scheme == "redis-cluster":
+        return open_cluster(url, **options)
     supported = ", ".join(f"{s}://" for s in SCHEMES)
-    raise StoreError(f"store URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported yet; "
+    raise StoreError(f"store URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "
                      f"supported: {supported}")
 
 

@@ -178,6 +178,9 @@ def main(argv=None) -> int:
 
     configure_fidelity(sub.add_parser("fidelity", help="bits per element and model-level fidelity of codecs"))
     configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))
+    from .store_cli import configure_cli as configure_store
+
+    configure_store(sub.add_parser("store", help="a KV store (--url file://DIR): stats, ls, inspect KEY, gc"))
     args = p.parse_args(argv)
     try:
         status = args.func(args)

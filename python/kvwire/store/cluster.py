@@ -1,0 +1,222 @@
+"""``RedisClusterStore`` ("redis-cluster://HOST:PORT,HOST:PORT,..."): the store spread over
+the masters of a Redis Cluster.
+
+Why its own routing instead of redis-py's ``RedisCluster``: a batch (a prompt's 512 chunk
+keys, a put of its new chunks) must be split by node and sent to every node at once (one
+round trip per node, in parallel), and a node that is down must cost its own keys only.
+Keys (spec/store.md, KVW-STORE-13) carry no hash tag, so chunks of one prompt spread over
+all masters and load in parallel; each key's slot is CRC16 as Redis defines it.
+
+Degraded mode (KVW-STORE-25): when a node does not answer, its keys are misses for reads
+(counted in ``stats.unavailable``) and ``StoreError`` for writes, while the other nodes
+keep serving; the node is retried after ``retry_after`` seconds, so a dead node costs one
+timeout, not one per call. ``MOVED`` replies (slots moved) refresh the slot map and retry
+once; ``ASK`` replies (a slot being migrated) are followed with ``ASKING``.
+"""
+
+from __future__ import annotations
+
+import threading
+from binascii import crc_hqx
+import time
+from urllib.parse import urlsplit
+
+from .base import Store, StoreError, check_keys
+from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, import_redis, parse_auth, parse_host
+
+SLOTS = 16384
+# Position of the first of ARGV (this node's keys, in the request's order) that is missing.
+# The keys are passed as arguments, not KEYS: a node's keys lie in many slots, which Redis
+# (>= 7.0) lets a script flagged allow-cross-slot-keys read as long as they are local.
+NODE_LEADING_SCRIPT = b"#!lua flags=allow-cross-slot-keys,no-writes\n" \
+                      b"for i, k in ipairs(ARGV) do if redis.call('EXISTS', k) == 0 then return i - 1 end end " \
+                      b"return #ARGV"
+
+
+class RedisClusterStore(RedisStore):
+    """A store on a Redis Cluster, found from one or more seed nodes."""
+
+    degrade = True
+
+    def __init__(self, seeds, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
+                 username=None, password=None, retry_after: float = 1.0):
+        Store.__init__(self)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        seeds = [(str(h), int(p)) for h, p in seeds]
+        if not seeds:
+            raise ValueError("a Redis Cluster store needs at least one seed node host:port")
+        self.timeout, self.retry_after = float(timeout), float(retry_after)
+        self.url = "redis-cluster://" + ",".join(f"{h}:{p}" for h, p in seeds)
+        self._opts = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password)
+        import_redis()
+        self._seeds = [f"{h}:{p}" for h, p in seeds]
+        self._nodes: dict[str, Node] = {}
+        self._down: dict[str, float] = {}
+        self._slots: list[str | None] = [None] * SLOTS
+        self._lock = threading.Lock()
+        self.refresh()
+
+    # -- topology ------------------------------------------------------------------------
+    def node_at(self, addr: str) -> Node:
+        with self._lock:
+            node = self._nodes.get(addr)
+            if node is None:
+                host, port = parse_host(addr, self.url)
+                node = self._nodes[addr] = Node(host, port, 0, **self._opts)
+            return node
+
+    def refresh(self) -> None:
+        """Read the slot map (CLUSTER SLOTS) from the first node that answers."""
+        errors = []
+        for addr in dict.fromkeys([*(a for a in self._slots if a), *self._seeds]):
+            if self.is_down(addr):
+                continue
+            try:
+                reply = self.node_at(addr).execute([["CLUSTER", "SLOTS"]])[0]
+            except StoreError as exc:
+                self.mark_down(addr)
+                errors.append(str(exc))
+                continue
+            self.count(round_trips=1)
+            if isinstance(reply, Exception):
+                raise StoreError(f"{self.url}: {addr} is not a cluster node: {reply}")
+            slots: list[str | None] = [None] * SLOTS
+            for start, stop, master, *_ in reply:
+                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                owner = f"{host or addr.rpartition(':')[0]}:{int(master[1])}"
+                slots[int(start):int(stop) + 1] = [owner] * (int(stop) - int(start) + 1)
+            self._slots = slots
+            return
+        raise StoreError(f"{self.url}: no seed node answered CLUSTER SLOTS: {'; '.join(errors) or 'all marked down'}")
+
+    def is_down(self, addr: str) -> bool:
+        until = self._down.get(addr)
+        return until is not None and time.monotonic() < until
+
+    def mark_down(self, addr: str) -> None:
+        self._down[addr] = time.monotonic() + self.retry_after
+
+    def nodes(self) -> list[Node]:
+        return [self.node_at(a) for a in dict.fromkeys(a for a in self._slots if a)]
+
+    @staticmethod
+    def slot(key: str) -> int:
+        """The key's hash slot: CRC16 (XMODEM) mod 16384. Store keys have no "{" (KVW-STORE-2),
+        so there is never a hash tag and the whole key is hashed."""
+        return crc_hqx(key.encode("ascii"), 0) & (SLOTS - 1)
+
+    # -- one round trip per node ---------------------------------------------------------
+    def run(self, commands, keys) -> list:
+        replies = self.dispatch(commands, keys)
+        moved = [i for i, r in enumerate(replies) if isinstance(r, Exception) and str(r).startswith("MOVED")]
+        if moved:
+            self.refresh()
+            again = self.dispatch([commands[i] for i in moved], [keys[i] for i in moved])
+            for i, r in zip(moved, again):
+                replies[i] = r
+        for i, r in enumerate(replies):
+            if isinstance(r, Exception) and str(r).startswith("ASK "):
+                target = str(r).split()[2]
+                try:
+                    replies[i] = self.node_at(target).execute([["ASKING"], commands[i]])[1]
+                    self.count(round_trips=1)
+                except StoreError:
+                    replies[i] = MISSING
+        return replies
+
+    def dispatch(self, commands, keys) -> list:
+        groups: dict[str | None, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._slots[self.slot(key)], []).append(i)
+        replies: list = [MISSING] * len(commands)
+        jobs = list(groups.items())
+        results = self.fan_out([(addr, [commands[i] for i in idx]) for addr, idx in jobs])
+        for (addr, idx), got in zip(jobs, results):
+            if got is None:
+                self.count(unavailable=len(idx))
+                continue
+            self.count(round_trips=1)
+            for i, r in zip(idx, got):
+                replies[i] = r
+        return replies
+
+    def fan_out(self, batches) -> list:
+        """Send every node its batch, then read every node's replies: the nodes work at
+        once, in one round trip. A node that is down (or fails) answers None."""
+        started = []
+        for addr, cmds in batches:
+            conn = None
+            if addr is not None and not self.is_down(addr):
+                try:
+                    conn = self.node_at(addr).begin(cmds)
+                except StoreError:
+                    self.mark_down(addr)
+            started.append(conn)
+        out = []
+        for (addr, cmds), conn in zip(batches, started):
+            got = None
+            if conn is not None:
+                try:
+                    got = self.node_at(addr).finish(conn, len(cmds))
+                except StoreError:
+                    self.mark_down(addr)
+            out.append(got)
+        return out
+
+    def leading(self, keys) -> int:
+        """Leading keys that exist: every node runs one script over its own keys, in
+        parallel (one round trip per node), and answers the position of its first miss;
+        the hits end at the earliest one. Keys on a down node are misses."""
+        keys = check_keys(keys)
+        self.count(exists_calls=1)
+        if not keys:
+            return 0
+        groups: dict[str | None, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._slots[self.slot(key)], []).append(i)
+        jobs = list(groups.items())
+        results = [None if got is None else got[0] for got in self.fan_out(
+            [(addr, [["EVAL", NODE_LEADING_SCRIPT, 0, *(keys[i] for i in idx)]]) for addr, idx in jobs])]
+        first_miss = len(keys)
+        for (addr, idx), got in zip(jobs, results):
+            if got is None:
+                self.count(unavailable=len(idx))
+                first_miss = min(first_miss, idx[0])
+                continue
+            self.count(round_trips=1)
+            if isinstance(got, Exception):  # slots moved under us: the per-key path follows MOVED
+                return Store.leading(self, keys)
+            if int(got) < len(idx):
+                first_miss = min(first_miss, idx[int(got)])
+        return first_miss
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys: set[str] = set()
+        for addr in dict.fromkeys(a for a in self._slots if a):
+            if self.is_down(addr):
+                self.count(unavailable=1)
+                continue
+            try:
+                keys.update(RedisStore.scan(self, self.node_at(addr), prefix))
+            except StoreError:
+                self.mark_down(addr)
+                self.count(unavailable=1)
+        return sorted(keys)
+
+
+
+def open_cluster(url: str, **options) -> RedisClusterStore:
+    """``redis-cluster://[user:password@]host:port[,host:port...]`` (options: timeout,
+    connect_timeout, retry_after)."""
+    parts = urlsplit(url)
+    user, password, hosts = parse_auth(parts.netloc)
+    if parts.path.strip("/"):
+        raise StoreError(f"store URL {url!r}: a cluster has one database; give no /db path")
+    seeds = [parse_host(h, url) for h in hosts.split(",") if h]
+    if not seeds:
+        raise StoreError(f"store URL {url!r}: name at least one node (redis-cluster://127.0.0.1:7000)")
+    return RedisClusterStore(seeds, username=user, password=password, **options)
+
+
+__all__ = ["RedisClusterStore", "SLOTS", "open_cluster"]

@@ -1,0 +1,381 @@
+"""``RedisStore`` ("redis://HOST:PORT/DB"): the shared store of many inference nodes.
+
+Why Redis: it is the distributed key/value engine that runs everywhere (and on this
+project's test machines as Debian's ``redis-server``), LMCache already shares KV caches
+through it, and its commands map one to one onto the store protocol (spec/store.md,
+KVW-STORE-21..26):
+
+- ``put`` is ``SET key value NX``: Redis applies a command whole or not at all, so a
+  reader never sees part of an object, and ``NX`` keeps the first writer's object;
+- a ranged ``get`` is ``GETRANGE`` inside a one-line Lua script that tells a missing key
+  from an empty range (plain ``GETRANGE`` answers "" to both);
+- every batch (``get_many``, ``put_many``, ``exists_many``, ``sizes``) is one pipelined
+  round trip, and the hit query ``leading`` is one script that stops at the first miss
+  server-side and reads no object bytes.
+
+The client is redis-py (the optional extra ``kvwire[redis]``, imported here only), used at
+the connection level: commands are packed by this module so that a put sends the
+encoder's buffers to the socket as they are (large buffers as memoryviews, never joined
+into one Python bytes object), and the round trips are counted in ``stats.round_trips``.
+Every call has a socket timeout; a dead, killed or silent server is a ``StoreError``
+within it, never a hang. ``kvwire.store.cluster`` routes the same commands per node.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import unquote, urlsplit
+
+from .base import Store, StoreError, as_buffers, check_key, check_keys, resolve_range
+
+DEFAULT_TIMEOUT = 5.0
+COALESCE = 64 << 10  # buffers smaller than this are joined into the command's framing
+SCAN_COUNT = 1000
+BATCH_KEYS = 4096  # keys per pipelined batch in listings and sizes
+
+# KEYS[1]; ARGV = start, stop (inclusive, Redis semantics). nil for a missing key.
+RANGE_SCRIPT = b"if redis.call('EXISTS', KEYS[1]) == 0 then return false end " \
+               b"return redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2])"
+# How many leading KEYS exist, reading no value bytes: one native EXISTS answers a full hit;
+# otherwise key by key, stopping at the first miss.
+LEADING_SCRIPT = b"local n = redis.call('EXISTS', unpack(KEYS)) if n == #KEYS then return n end " \
+                 b"for i, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 0 then return i - 1 end end " \
+                 b"return #KEYS"
+# Size of KEYS[1], -1 for a miss (STRLEN alone answers 0 to both).
+SIZE_SCRIPT = b"if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end return redis.call('STRLEN', KEYS[1])"
+
+
+def import_redis():
+    try:
+        import redis
+    except ImportError:  # pragma: no cover - the test extra installs it
+        raise StoreError("redis:// stores need redis-py: pip install 'kvwire[redis]' (redis>=5,<6 and hiredis)") from None
+    return redis
+
+
+def pack(args) -> list:
+    """One RESP command as a list of byte chunks: the framing and small arguments joined,
+    every large buffer passed through as a memoryview (no copy)."""
+    args = [a.encode() if isinstance(a, str) else b"%d" % a if isinstance(a, int) else a for a in args]
+    if not any(isinstance(a, (list, memoryview)) for a in args):  # the usual case: one join
+        return [b"*%d\r\n" % len(args) + b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in args])]
+    head = [b"*%d\r\n" % len(args)]
+    out = []
+    for arg in args:
+        bufs = arg if isinstance(arg, list) else [arg]  # a value may come as several buffers
+        head.append(b"$%d\r\n" % sum(memoryview(b).nbytes for b in bufs))
+        for b in bufs:
+            if isinstance(b, memoryview) and b.nbytes >= COALESCE:
+                out.append(b"".join(head))
+                out.append(b)
+                head = []
+            else:
+                head.append(b)
+        head.append(b"\r\n")
+    out.append(b"".join(head))
+    return out
+
+
+class Node:
+    """One Redis server: a connection pool and ``execute(commands)``, which sends a batch
+    of commands in one write and reads their replies (one round trip). Replies that are
+    Redis errors come back as exception objects in their place; a broken connection or a
+    timeout raises ``StoreError`` after dropping the connection."""
+
+    def __init__(self, host: str, port: int, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float | None = None, username=None, password=None):
+        redis = import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        self.addr = f"{host}:{port}"
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._response_error = redis.ResponseError
+        self.pool = redis.ConnectionPool(
+            host=host, port=port, db=db, username=username, password=password, socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout if connect_timeout is not None else timeout,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+    def execute(self, commands) -> list:
+        return self.finish(self.begin(commands), len(commands))
+
+    def begin(self, commands):
+        """Send a batch; the replies are read by ``finish``. Between the two, other nodes
+        can be sent their batches, so a cluster's nodes work at once without threads."""
+        try:
+            try:
+                conn = self.pool.get_connection()
+            except TypeError:  # redis-py before 5.3 wants a command name
+                conn = self.pool.get_connection("kvwire")
+        except self._errors as exc:
+            raise StoreError(f"redis {self.addr}: cannot connect: {exc}") from exc
+        try:
+            conn.send_packed_command([c for cmd in commands for c in pack(cmd)], check_health=False)
+        except BaseException as exc:
+            self.drop(conn)
+            if isinstance(exc, self._errors):
+                raise StoreError(f"redis {self.addr}: {type(exc).__name__}: {exc} (a SET applies whole or not "
+                                 "at all: no partial object is stored)") from exc
+            raise
+        return conn
+
+    def finish(self, conn, n: int) -> list:
+        try:
+            replies = []
+            for _ in range(n):
+                try:
+                    replies.append(conn.read_response(disable_decoding=True))
+                except self._response_error as exc:
+                    replies.append(exc)
+        except BaseException as exc:
+            self.drop(conn)  # interrupted mid-batch: the connection's state is unknown
+            if isinstance(exc, self._errors):
+                raise StoreError(f"redis {self.addr}: {type(exc).__name__}: {exc}") from exc
+            raise
+        self.pool.release(conn)
+        return replies
+
+    def drop(self, conn) -> None:
+        conn.disconnect()
+        self.pool.release(conn)
+
+    def close(self) -> None:
+        self.pool.disconnect()
+
+
+def range_command(key: str, byte_range):
+    """The command reading ``byte_range`` (KVW-STORE-3) of ``key``; None for the whole
+    object. Length 0 reads nothing but must still tell a miss from a hit."""
+    if byte_range is None:
+        return ["GET", key]
+    resolve_range(byte_range, 0)  # validates the form
+    off, length = byte_range
+    if off < 0:
+        start, stop = off, -1
+    elif length is None:
+        start, stop = off, -1
+    elif length == 0:
+        return ["EXISTS", key]
+    else:
+        start, stop = off, off + length - 1
+    return ["EVAL", RANGE_SCRIPT, 1, key, start, stop]
+
+
+def range_reply(cmd, reply):
+    if cmd[0] == "EXISTS":
+        return b"" if reply else None
+    return reply
+
+
+def check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or any(not (c.isascii() and (c.isalnum() or c in "._-/")) for c in prefix):
+        raise ValueError(f"a list prefix is made of key characters [A-Za-z0-9._-/], not {prefix!r}")
+    return prefix
+
+
+class RedisStore(Store):
+    """A store on one Redis server (``redis://[user:password@]host:port/db``)."""
+
+    degrade = False  # a cluster turns a down node's reads into misses; one server down is an error
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float | None = None, username=None, password=None):
+        super().__init__()
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self.timeout = float(timeout)
+        self.url = f"redis://{host}:{port}/{db}"
+        self.node = Node(host, port, db, timeout=timeout, connect_timeout=connect_timeout, username=username,
+                         password=password)
+        self._lock = threading.Lock()
+
+    # -- routing: one server answers everything (the cluster overrides these two) ---------
+    def run(self, commands, keys) -> list:
+        """Replies of ``commands`` (one per key of ``keys``), one round trip per node."""
+        replies = self.node.execute(commands)
+        self.count(round_trips=1)
+        return replies
+
+    def nodes(self) -> list[Node]:
+        return [self.node]
+
+    @staticmethod
+    def raise_error(reply, key):
+        if isinstance(reply, Exception):
+            raise StoreError(f"redis refused the command for {key!r}: {reply}")
+        return reply
+
+    # -- reads ---------------------------------------------------------------------------
+    def get(self, key, byte_range=None):
+        return self.get_many([key], byte_range)[0]
+
+    def get_many(self, keys, byte_range=None) -> list:
+        keys = check_keys(keys)
+        if not keys:
+            return []
+        cmds = [range_command(k, byte_range) for k in keys]
+        out = []
+        for key, cmd, reply in zip(keys, cmds, self.run(cmds, keys)):
+            value = None if reply is MISSING else range_reply(cmd, self.raise_error(reply, key))
+            out.append(value)
+        got = [v for v in out if v is not None]
+        self.count(gets=len(keys), hits=len(got), misses=len(keys) - len(got), bytes_in=sum(map(len, got)))
+        return out
+
+    def exists(self, key) -> bool:
+        return self.exists_many([key])[0]
+
+    def exists_many(self, keys) -> list[bool]:
+        keys = check_keys(keys)
+        self.count(exists_calls=1)
+        if not keys:
+            return []
+        replies = self.run([["EXISTS", k] for k in keys], keys)
+        return [reply is not MISSING and bool(self.raise_error(reply, k)) for k, reply in zip(keys, replies)]
+
+    def leading(self, keys) -> int:
+        """One server-side script over the keys in order: stops at the first miss and reads
+        no value bytes (KVW-STORE-5, KVW-STORE-23)."""
+        keys = check_keys(keys)
+        self.count(exists_calls=1)
+        if not keys:
+            return 0
+        reply = self.node.execute([["EVAL", LEADING_SCRIPT, len(keys), *keys]])[0]
+        self.count(round_trips=1)
+        return int(self.raise_error(reply, keys[0]))
+
+    def sizes(self, keys) -> list:
+        keys = check_keys(keys)
+        out = []
+        for i in range(0, len(keys), BATCH_KEYS):
+            part = keys[i:i + BATCH_KEYS]
+            replies = self.run([["EVAL", SIZE_SCRIPT, 1, k] for k in part], part)
+            for k, r in zip(part, replies):
+                n = -1 if r is MISSING else int(self.raise_error(r, k))
+                out.append(None if n < 0 else n)
+        return out
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(set(self.scan(self.node, prefix)))
+
+    def scan(self, node: Node, prefix: str) -> list[str]:
+        """The keys of one node starting with ``prefix`` (SCAN MATCH; never KEYS, which
+        blocks the server)."""
+        pattern = check_prefix(prefix).encode() + b"*"
+        keys, cursor = [], b"0"
+        while True:
+            reply = node.execute([["SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT]])[0]
+            self.count(round_trips=1)
+            cursor, batch = self.raise_error(reply, prefix)
+            keys += [k.decode("ascii", "replace") for k in batch]
+            if cursor in (b"0", 0):
+                return keys
+
+    # -- writes --------------------------------------------------------------------------
+    def put(self, key, value) -> bool:
+        return self.put_many([(key, value)])[0]
+
+    def put_many(self, items) -> list[bool]:
+        """All objects in one pipelined round trip per node; each is ``SET key value NX``."""
+        items = [(check_key(k), as_buffers(v)) for k, v in items]
+        if not items:
+            return []
+        keys = [k for k, _ in items]
+        replies = self.run([["SET", k, bufs, "NX"] for k, bufs in items], keys)
+        out, written, size = [], 0, 0
+        for (key, bufs), reply in zip(items, replies):
+            if reply is MISSING:
+                raise StoreError(f"{self.url}: the node holding {key!r} is down; the object was not stored")
+            ok = self.raise_error(reply, key) is not None
+            out.append(ok)
+            if ok:
+                written += 1
+                size += sum(b.nbytes for b in bufs)
+        self.count(puts=len(items), written=written, skipped=len(items) - written, bytes_out=size)
+        return out
+
+    def delete(self, key) -> bool:
+        key = check_key(key)
+        reply = self.run([["DEL", key]], [key])[0]
+        gone = reply is not MISSING and bool(self.raise_error(reply, key))
+        self.count(deletes=int(gone))
+        return gone
+
+    # -- the server's own view -----------------------------------------------------------
+    def server_info(self) -> dict:
+        """Summed INFO counters of every node (memory, evictions, keyspace hits)."""
+        total = dict(used_memory=0, maxmemory=0, evicted_keys=0, keyspace_hits=0, keyspace_misses=0, nodes=0)
+        policy = set()
+        for node in self.nodes():
+            try:
+                reply = node.execute([["INFO", "memory"], ["INFO", "stats"]])
+            except StoreError:
+                continue
+            self.count(round_trips=1)
+            fields = {}
+            for part in reply:
+                if isinstance(part, Exception):
+                    continue
+                for line in part.decode("ascii", "replace").splitlines():
+                    if ":" in line and not line.startswith("#"):
+                        k, v = line.split(":", 1)
+                        fields[k] = v.strip()
+            total["nodes"] += 1
+            for k in ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses"):
+                total[k] += int(fields.get(k, 0) or 0)
+            policy.add(fields.get("maxmemory_policy", "?"))
+        total["maxmemory_policy"] = ",".join(sorted(policy))
+        return total
+
+    def info(self) -> dict:
+        keys = self.list()
+        sizes = self.sizes(keys)
+        return {"url": self.url, "backend": type(self).__name__, "objects": sum(s is not None for s in sizes),
+                "bytes": sum(s or 0 for s in sizes), **self.server_info()}
+
+    def close(self) -> None:
+        for node in self.nodes():
+            node.close()
+
+
+class Missing:
+    """The reply in place of a command whose node is down in a degraded cluster."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = Missing()
+
+
+def parse_auth(netloc: str):
+    """(username, password, hosts part) of a URL's netloc."""
+    if "@" not in netloc:
+        return None, None, netloc
+    auth, hosts = netloc.rsplit("@", 1)
+    user, _, password = auth.partition(":")
+    return unquote(user) or None, unquote(password) or None, hosts
+
+
+def parse_host(part: str, url: str) -> tuple[str, int]:
+    host, _, port = part.rpartition(":") if ":" in part else (part, "", "6379")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise StoreError(f"store URL {url!r}: bad port {port!r}") from None
+    if not host or not 0 < port_n < 65536:
+        raise StoreError(f"store URL {url!r}: need host:port, got {part!r}")
+    return host, port_n
+
+
+def open_redis(url: str, **options) -> RedisStore:
+    """``redis://[user:password@]host[:port][/db]`` (options: timeout, connect_timeout)."""
+    parts = urlsplit(url)
+    user, password, hosts = parse_auth(parts.netloc)
+    host, port = parse_host(hosts or "127.0.0.1:6379", url)
+    db = parts.path.strip("/") or "0"
+    if not db.isdigit():
+        raise StoreError(f"store URL {url!r}: the path is the database number (redis://host:6379/0)")
+    return RedisStore(host, port, int(db), username=user, password=password, **options)
+
+
+__all__ = ["DEFAULT_TIMEOUT", "MISSING", "Node", "RedisStore", "open_redis", "pack", "parse_auth", "parse_host"]

@@ -1,0 +1,385 @@
+"""``kvwire store stats|ls|inspect|gc --url URL``: look into a shared KV store and clean it.
+
+A store shared by many inference nodes (spec/store.md) outlives every process that wrote
+to it, so an operator needs to see what it holds (per model, dtype, shard, layer range,
+fidelity and chunk size), check one object against its key (KVW-STORE-17) without reading
+its tensors, and remove what must go: stale temporaries, corrupted objects, a model's
+objects after a weight update, or the least recently used ones down to a size. Headers are
+read with one ranged get of ``HEAD_BYTES`` (KVW-STORE-19); only ``--verify`` reads whole
+objects. An operation a backend does not offer is refused (exit 2), never faked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ..cache.reader import Reader, probe
+from ..format import registry as R
+from ..format.errors import FormatError, TruncatedError
+from ..store import KeySpace, StoreError, open_store
+from ..store.keys import KEY_VERSION, header_mismatches
+from ..store.kvstore import HEAD_BYTES
+from .cliargs import count
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+BATCH = 256  # keys per batched sizes / ranged-get call
+MISMATCH = "STORE_KEY_MISMATCH"  # stderr code of an object whose header disagrees with its key
+DESCRIPTION = """Look into a kvwire store (spec/store.md) and clean it. URLs: file:///abs/dir,
+file://rel/dir, memory:// (one process: always empty here).
+
+  stats    the backend's own figures, then objects and bytes per key root
+  ls       keys with sizes; --long adds each object's token range from its header
+  inspect  one object: its key parsed, its header, the KVW-STORE-17 verdict; --verify
+           also checks every checksum (exit 1 when the object is bad, 2 when missing)
+  gc       remove stale temporaries, and with --fingerprint / --max-bytes / --verify a
+           model's objects, the least recently used ones, or the bad ones; --dry-run
+           only says what it would remove
+
+Reading a header is a get: on file:// it counts as a use for the LRU clock."""
+
+
+def fingerprint_hex(text: str) -> str:
+    """A compat fingerprint as in a key: 1..64 bytes of hex (upper case is lowered)."""
+    t = text.lower()
+    if not re.fullmatch(r"(?:[0-9a-f]{2}){1,64}", t):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fingerprint: 2 to 128 hex digits, an even number")
+    return t
+
+
+def configure_cli(p) -> None:
+    p.description, p.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
+    sub = p.add_subparsers(dest="store_cmd", required=True, metavar="COMMAND")
+
+    def command(name, help, func):
+        s = sub.add_parser(name, help=help, description=help)
+        s.add_argument("--url", required=True, help="the store: file:///abs/dir, file://rel/dir or memory://")
+        s.set_defaults(func=_guarded(func))
+        return s
+
+    s = command("stats", "the backend's info() and objects/bytes per key root", cmd_stats)
+    s.add_argument("--json", action="store_true")
+    s = command("ls", "keys and their sizes", cmd_ls)
+    s.add_argument("--prefix", default="", help="only keys starting with this (e.g. kvw1/<fingerprint>/)")
+    s.add_argument("--long", action="store_true", help="also each object's token range (one ranged get of "
+                                                       "its first 64 KiB)")
+    s.add_argument("--json", action="store_true")
+    s = command("inspect", "one object's key, header and KVW-STORE-17 verdict (exit 1 bad, 2 missing)",
+                cmd_inspect)
+    s.add_argument("key")
+    s.add_argument("--verify", action="store_true", help="read the whole object and verify every checksum")
+    s.add_argument("--json", action="store_true")
+    s = command("gc", "remove stale temporaries, and the objects the options select", cmd_gc)
+    s.add_argument("--fingerprint", type=fingerprint_hex, help="remove every object of this model (compat "
+                                                               "fingerprint in hex), e.g. after a weight update")
+    s.add_argument("--max-bytes", type=count, help="evict least-recently-used objects until at most N bytes "
+                                                   "remain (file:// only)")
+    s.add_argument("--verify", action="store_true", help="remove every kvw1 object failing its key checks or "
+                                                         "checksums (reads every object whole; runs last)")
+    s.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
+
+
+def _guarded(func):
+    """A store that fails (StoreError: unreachable, unsupported URL, I/O) is one line, exit 2."""
+    def run(args) -> int:
+        try:
+            with open_store(args.url) as store:
+                return func(args, store)
+        except StoreError as exc:
+            print(f"kvwire store {args.store_cmd}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return run
+
+
+def _batches(keys):
+    for i in range(0, len(keys), BATCH):
+        yield keys[i:i + BATCH]
+
+
+def _sizes(store, keys) -> list:
+    return [s for b in _batches(keys) for s in store.sizes(b)]
+
+
+def _parse(key):
+    """(space, hash) of a kvw1 key, else None."""
+    try:
+        return KeySpace.parse(key)
+    except ValueError:
+        return None
+
+
+def _header(store, key, head):
+    """(header, head bytes) from a first ranged read, with the second read when the header
+    is longer (KVW-STORE-19); (None, None) when the object vanished. FormatError: corrupt."""
+    try:
+        return probe(head), head
+    except TruncatedError as exc:
+        if exc.needed is None or len(head) < HEAD_BYTES:
+            raise  # the whole object was read and it is short
+        head = store.get(key, (0, exc.needed))
+        return (None, None) if head is None else (probe(head), head)
+
+
+def _heads(store, keys):
+    """(key, header or None, head bytes or None, error or None) per key, in batches."""
+    for batch in _batches(keys):
+        for key, head in zip(batch, store.get_many(batch, (0, HEAD_BYTES))):
+            if head is None:
+                yield key, None, None, "missing"
+                continue
+            try:
+                h, head = _header(store, key, head)
+                yield key, h, head, None if h is not None else "missing"
+            except FormatError as exc:
+                yield key, None, head, exc
+
+
+def _space_dict(space: KeySpace, chunk_hash: bytes) -> dict:
+    return {"version": KEY_VERSION, "fingerprint": space.fingerprint.hex(), "dtype": space.dtype,
+            "shard": f"tp{space.tp_rank}of{space.tp_size}", "layers": list(space.layers),
+            "fidelity": space.fidelity, "chunk_tokens": space.chunk_tokens, "hash": chunk_hash.hex()}
+
+
+def _header_dict(h) -> dict:
+    p = h.prefix
+    return {"model_type": h.model.model_type, "model_id": h.model.model_id,
+            "compat_fingerprint": h.model.compat_fingerprint.hex(), "dtype": h.dtype, "num_layers": h.num_layers,
+            "first_position": h.first_position, "token_count": h.token_count, "chunk_tokens": h.chunk_tokens,
+            "codec_specs": [s.codec for s in h.codec_specs],
+            "prefix": None if p is None else {"scheme": p.scheme, "root": p.root.hex(), "hashes": p.hashes.hex()}}
+
+
+def _text(v) -> str:
+    if isinstance(v, bytes):
+        return v.hex()
+    return json.dumps(v) if isinstance(v, (dict, list, tuple)) else str(v)
+
+
+# -- stats ------------------------------------------------------------------------------------
+def cmd_stats(args, store) -> int:
+    info = store.info()
+    keys = store.list()
+    roots, other = {}, {"objects": 0, "bytes": 0}
+    for key, size in zip(keys, _sizes(store, keys)):
+        parsed = _parse(key)
+        if parsed is None:
+            g = other
+        else:
+            sp = parsed[0]
+            g = roots.setdefault(sp.root, {"root": sp.root, **_space_dict(sp, b""), "objects": 0, "bytes": 0})
+            g.pop("hash", None)
+        g["objects"] += 1
+        g["bytes"] += size or 0
+    rows = sorted(roots.values(), key=lambda g: g["root"])
+    if args.json:
+        print(json.dumps({"info": info, "roots": rows, "other": other}, indent=2, default=str))
+        return EXIT_OK
+    print(f"{info.get('url', args.url)}: {info.get('backend', type(store).__name__)}")
+    for k, v in info.items():
+        if k not in ("url", "backend"):
+            print(f"  {k:<20} {_text(v)}")
+    print("by key root:")
+    head = ("model", "dtype", "shard", "layers", "fidelity", "chunk", "objects", "bytes")
+    table = [head] + [(g["fingerprint"][:12], g["dtype"], g["shard"], "{}-{}".format(*g["layers"]), g["fidelity"],
+                       str(g["chunk_tokens"]), str(g["objects"]), str(g["bytes"])) for g in rows]
+    if other["objects"]:
+        table.append((f"(not {KEY_VERSION})", "", "", "", "", "", str(other["objects"]), str(other["bytes"])))
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for r in table:
+        print("  " + "  ".join(c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    if len(table) == 1:
+        print("  (no objects)")
+    return EXIT_OK
+
+
+# -- ls ---------------------------------------------------------------------------------------
+def cmd_ls(args, store) -> int:
+    keys = store.list(args.prefix)
+    sizes = _sizes(store, keys)
+    rows = [{"key": k, "size": s} for k, s in zip(keys, sizes)]
+    if args.long:
+        for row, (_, h, _, err) in zip(rows, _heads(store, keys)):
+            if h is not None:
+                row.update(first_position=h.first_position, token_count=h.token_count)
+            else:
+                row["error"] = err if isinstance(err, str) else err.code
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for row in rows:
+        size = "-" if row["size"] is None else str(row["size"])
+        if not args.long:
+            print(f"{size:>10}  {row['key']}")
+            continue
+        a = row.get("first_position")
+        span = f"[{a}, {a + row['token_count']})" if a is not None else row["error"]
+        print(f"{size:>10}  {span:<18}  {row['key']}")
+    return EXIT_OK
+
+
+# -- inspect ----------------------------------------------------------------------------------
+def _check(store, key, verify: bool) -> dict:
+    """What inspect and gc --verify know of one object: header, mismatches, records,
+    verified, error (a FormatError) or missing."""
+    space, chunk_hash = KeySpace.parse(key)
+    out = {"key": key, "parsed": _space_dict(space, chunk_hash), "size": store.sizes([key])[0], "header": None,
+           "mismatches": [], "records": None, "verified": None, "error": None, "missing": False}
+    head = store.get(key, (0, HEAD_BYTES))
+    try:
+        h, head = (None, None) if head is None else _header(store, key, head)
+        if h is None:
+            out["missing"] = True
+            return out
+        out["header"] = _header_dict(h)
+        out["mismatches"] = header_mismatches(h, space, chunk_hash)
+        whole = head if len(head) < HEAD_BYTES else (store.get(key) if verify else None)
+        if whole is None and verify:
+            out["missing"] = True
+            return out
+        if whole is not None:  # the records are cheap once the object is in hand
+            r = Reader(whole)
+            names = [R.CODEC_BY_CODE[int(c)] for c in r.records["codec"]]
+            out["records"] = {n: names.count(n) for n in sorted(set(names))}
+            if verify:
+                r.load(verify=True)
+                out["verified"] = True
+    except FormatError as exc:
+        out["error"] = {"code": exc.code, "message": str(exc)}
+        out["verified"] = False if verify else None
+    return out
+
+
+def _problem(d) -> str | None:
+    if d["error"]:
+        return d["error"]["message"]
+    if d["mismatches"]:
+        return "KVW-STORE-17: " + "; ".join(d["mismatches"])
+    return None
+
+
+def cmd_inspect(args, store) -> int:
+    d = _check(store, args.key, args.verify)
+    if d["missing"]:
+        print(f"kvwire store inspect: error: {store.url}: no object under {args.key}", file=sys.stderr)
+        return EXIT_USAGE
+    bad = _problem(d)
+    if args.json:
+        print(json.dumps({**d, "url": store.url, "ok": bad is None}, indent=2))
+    else:
+        _print_inspect(store, d, bad)
+    if bad is not None:
+        print(d["error"]["code"] if d["error"] else MISMATCH, file=sys.stderr)
+        print(f"{args.key}: {bad}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def _print_inspect(store, d, bad) -> None:
+    k, h = d["parsed"], d["header"]
+    print(f"{d['key']}: {d['size']} bytes in {store.url}")
+    print(f"  key        model {k['fingerprint']}, dtype {k['dtype']}, {k['shard']}, layers "
+          f"[{k['layers'][0]}, {k['layers'][1]}), {k['fidelity']}, chunks of {k['chunk_tokens']}")
+    print(f"  hash       {k['hash']}")
+    if h is not None:
+        a = h["first_position"]
+        print(f"  model      type={h['model_type']!r} id={h['model_id']!r} "
+              f"compat_fingerprint={h['compat_fingerprint'] or '(none)'}")
+        print(f"  tokens     [{a}, {a + h['token_count']}): {h['token_count']} from position {a}, "
+              f"chunks of {h['chunk_tokens']}")
+        print(f"  dtype      {h['dtype']}")
+        print(f"  layers     {h['num_layers']}")
+        if h["codec_specs"]:
+            print(f"  codecs     {', '.join(h['codec_specs'])} (pipelines of the header)")
+        p = h["prefix"]
+        print("  prefix     " + ("(none)" if p is None else f"scheme {p['scheme']}, hashes {p['hashes'][:64]}"))
+    if d["records"] is not None:
+        print("  records    " + ", ".join(f"{n} x{c}" for n, c in d["records"].items()))
+    verdict = "ok" if not d["mismatches"] else "MISMATCH: " + "; ".join(d["mismatches"])
+    print(f"  verdict    KVW-STORE-17: {verdict if h is not None else 'no header: ' + bad}")
+    if d["error"] is None:
+        print("  checksums  " + ("verified" if d["verified"] else "not checked (--verify reads the whole object)"))
+    elif h is not None:
+        print(f"  checksums  FAILED: {d['error']['message']}")
+
+
+# -- gc ---------------------------------------------------------------------------------------
+def cmd_gc(args, store) -> int:
+    backend = type(store).__name__
+    selected = args.fingerprint is not None or args.max_bytes is not None or args.verify
+    if args.max_bytes is not None and not callable(getattr(store, "evict", None)):
+        print(f"kvwire store gc: error: --max-bytes is not supported by {backend} ({store.url}): it has no "
+              "least-recently-used eviction to a target (file:// stores have it)", file=sys.stderr)
+        return EXIT_USAGE
+    has_gc = callable(getattr(store, "gc", None))
+    if not has_gc and not selected:
+        print(f"kvwire store gc: error: removing stale temporaries is not supported by {backend} ({store.url}); "
+              "give --verify, --fingerprint or --max-bytes", file=sys.stderr)
+        return EXIT_USAGE
+    verb = "would remove" if args.dry_run else "removed"
+    gone: dict[str, int] = {}  # key -> bytes, removed (or, dry, selected) so far
+
+    def remove(key, size, why) -> None:
+        if args.dry_run or store.delete(key):
+            gone[key] = size or 0
+            print(f"{verb} {key} ({why})")
+
+    if args.fingerprint is not None:
+        keys = store.list(f"{KEY_VERSION}/{args.fingerprint}/")
+        for key, size in zip(keys, _sizes(store, keys)):
+            remove(key, size, f"model {args.fingerprint[:12]}")
+    temps = 0
+    if has_gc:
+        temps = store.info().get("stale_temporaries", 0) if args.dry_run else store.gc()
+        print(f"{verb} {temps} stale temporaries")
+    else:
+        print(f"stale temporaries: not supported by {backend}, skipped")
+    if args.max_bytes is not None:  # before --verify reads objects, which would reset the LRU clock
+        _evict(store, args.max_bytes, args.dry_run, gone)
+    if args.verify:
+        _verify_all(store, remove, gone)
+    print(f"gc: {verb} {len(gone)} objects ({sum(gone.values())} bytes) and {temps} temporaries"
+          + (" (dry run)" if args.dry_run else ""))
+    return EXIT_OK
+
+
+def _evict(store, target: int, dry: bool, gone: dict) -> None:
+    keys = [k for k in store.list() if k not in gone]
+    sizes = dict(zip(keys, _sizes(store, keys)))
+    total = sum(s or 0 for s in sizes.values())
+    if total <= target:
+        print(f"{total} bytes <= --max-bytes {target}: nothing to evict")
+        return
+    if dry:
+        print(f"would evict least-recently-used objects: {total} bytes > --max-bytes {target}")
+        return
+    store.evict(target)
+    left = set(store.list())
+    for key in keys:
+        if key not in left:
+            gone[key] = sizes[key] or 0
+            print(f"removed {key} (least recently used)")
+
+
+def _verify_all(store, remove, gone: dict) -> None:
+    foreign = 0
+    for key in store.list():
+        if key in gone:
+            continue
+        if not key.startswith(KEY_VERSION + "/"):
+            foreign += 1  # not a kvwire object (a shared server's other keys): left alone
+            continue
+        try:
+            d = _check(store, key, verify=True)
+        except ValueError as exc:  # a kvw1 key no conforming writer makes (KVW-STORE-13..16)
+            remove(key, store.sizes([key])[0], f"bad key: {exc}")
+            continue
+        bad = _problem(d)
+        if bad is not None and not d["missing"]:
+            remove(key, d["size"], bad)
+    if foreign:
+        print(f"skipped {foreign} keys outside {KEY_VERSION}/ (not kvwire objects)")
+
+
+__all__ = ["configure_cli"]
