@@ -76,30 +76,34 @@ def llama_chunk(tokens=256, layers=32, heads=8, dim=128, seed=0, fp=FP):
 
 # -- 1. objects ---------------------------------------------------------------------------
 
+def rm(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def bench_objects(backends, raw_client, tmp, repeat):
     cache = llama_chunk()
     tokens = np.arange(256, dtype=np.int64)
     bufs = [memoryview(b).cast("B") for b in iter_buffers(cache, form="file", codec="raw")]
     blob = b"".join(bufs)
     rows = []
-    n = [0]
-
-    def fresh():
-        n[0] += 1
-        return f"bench/obj{n[0]}"
-
-    # raw redis-py
-    key = ["x"]
-    set_ms = median_ms(lambda: raw_client.set(key[0], blob), repeat, setup=lambda: key.__setitem__(0, fresh()))
-    raw_client.set("bench/raw", blob)
-    get_ms = median_ms(lambda: raw_client.get("bench/raw"), repeat)
+    # Every timed put writes a key deleted just before (untimed), so each path reuses the memory
+    # (Redis's allocator, the page cache) the previous one freed: puts of ever new keys measure
+    # the kernel's page zeroing instead, and vary 2-3x between runs on this VM.
+    rc = raw_client
+    set_ms = median_ms(lambda: rc.set("bench/put", blob), repeat, setup=lambda: rc.delete("bench/put"))
+    rc.set("bench/raw", blob)
+    get_ms = median_ms(lambda: rc.get("bench/raw"), repeat)
     rows.append(dict(path="raw redis-py SET / GET (bytes; hiredis packs the command, copying the value)", put=set_ms,
                      get=get_ms, size=len(blob)))
     # the same client with redis-py's own packer, which passes a large value through uncopied
-    from redis.connection import PythonRespSerializer
-    py = raw_client.__class__(host="127.0.0.1", port=raw_client.connection_pool.connection_kwargs["port"],
-                              command_packer=PythonRespSerializer(6000, lambda v: v))
-    py_set = median_ms(lambda: py.set(key[0], blob), repeat, setup=lambda: key.__setitem__(0, fresh()))
+    from redis.connection import ConnectionPool, PythonRespSerializer
+    py = rc.__class__(connection_pool=ConnectionPool(
+        host="127.0.0.1", port=rc.connection_pool.connection_kwargs["port"],
+        command_packer=PythonRespSerializer(6000, rc.connection_pool.get_encoder().encode)))
+    py_set = median_ms(lambda: py.set("bench/put", blob), repeat, setup=lambda: py.delete("bench/put"))
     rows.append(dict(path="raw redis-py SET / GET (bytes; redis-py's Python packer)", put=py_set,
                      get=median_ms(lambda: py.get("bench/raw"), repeat), size=len(blob)))
     py.close()
@@ -114,11 +118,10 @@ def bench_objects(backends, raw_client, tmp, repeat):
         with open(fpath, "rb") as f:
             f.read()
 
-    rows.append(dict(path="plain file write(2) / read(2)", put=median_ms(write_file, repeat), get=median_ms(read_file, repeat),
-                     size=len(blob)))
+    rows.append(dict(path="plain file write(2) / read(2)", put=median_ms(write_file, repeat, setup=lambda: rm(fpath)),
+                     get=median_ms(read_file, repeat), size=len(blob)))
     for name, store in backends.items():
-        k2 = ["x"]
-        put = median_ms(lambda: store.put(k2[0], bufs), repeat, setup=lambda: k2.__setitem__(0, fresh()))
+        put = median_ms(lambda: store.put("bench/put", bufs), repeat, setup=lambda: store.delete("bench/put"))
         store.put("bench/kv", bufs)
         get = median_ms(lambda: store.get("bench/kv"), repeat)
         assert store.get("bench/kv") == blob

@@ -409,19 +409,16 @@ def test_store16_bad_layer_ranges_are_refused():
 # -- what the store does not hold -------------------------------------------------------------
 
 def test_store_refuses_what_it_does_not_hold_yet():
-    """Sliding-window, state and sparse caches are refused with a ValueError naming what the
-    store holds (full-attention layers); nothing is written."""
+    """State, shared and sparse caches are refused with a ValueError naming what the store
+    holds (layers of one row per token); nothing is written."""
     kv = KVStore(MemoryStore())
     cache, tokens = make_cache(8), token_ids(8)
-    sliding = cache.with_header(arch=replace(cache.header.arch, layers=(
-        LayerSpec("sliding_attention", 2, 8, 8, window=8),) + cache.header.arch.layers[1:]))
-    with pytest.raises(ValueError, match="full_attention layers only.*sliding_attention"):
-        kv.put_cache(sliding, tokens)
     ssm = LayerSpec("state", state_tensors=(StateTensor("ssm", (1, 2, 3)),))
     state = kvwire.KVCache(cache.header.replace(arch=Architecture(cache.header.arch.layers[:1] + (ssm,)),
                                                 layer_tokens=None),
                            [cache.layers[0], {"state": {"ssm": np.zeros((1, 2, 3), np.float32)}}])
-    with pytest.raises(ValueError, match="full_attention layers only.*state"):
+    with pytest.raises(ValueError, match="full_attention, sliding_attention, chunked_attention, mla_latent layers; "
+                                         "this one has state"):
         kv.put_cache(state, tokens)
     sparse = SparseKVCache.from_mask(cache, [np.ones((2, 8), bool)] * LAYERS)
     with pytest.raises(ValueError, match="sparse"):
@@ -433,6 +430,35 @@ def test_store_refuses_what_it_does_not_hold_yet():
     with pytest.raises(TypeError):
         kv.put_cache(cache.layers, tokens)
     assert kv.store.list() == []
+
+
+def test_store11_sliding_chunked_and_mla_layers_round_trip():
+    """KVW-STORE-11 on every layer kind of one row per token: sliding-window and chunked
+    layers that hold every token from 0 and MLA latent layers ([1, T, rank + rope]) are cut
+    into the same chunks; a sliding layer that kept only its window is refused."""
+    rng = np.random.default_rng(3)
+    T = 10
+    specs = (LayerSpec("full_attention", 2, 8, 8), LayerSpec("sliding_attention", 2, 8, 8, window=4),
+             LayerSpec("chunked_attention", 1, 4, 4, window=8),
+             LayerSpec("mla_latent", 1, 12, 0, kv_lora_rank=8, qk_rope_head_dim=4))
+    header = kvwire.Header(arch=Architecture(specs), token_count=T, dtype="f16", chunk_tokens=C,
+                           model=ModelIdentity(compat_fingerprint=FP))
+    layers = [{c: rng.standard_normal(s.shape(c, T)).astype(np.float16) for c in s.components} for s in specs]
+    cache, tokens = kvwire.KVCache(header, layers), token_ids(T)
+    for store in (MemoryStore(), LocalStore(__import__("tempfile").mkdtemp())):
+        kv = KVStore(store)
+        assert kv.put_cache(cache, tokens, partial=True).written == 3
+        got = kv.get_cache(tokens, KeySpace.of(header))
+        assert got.tokens == T and got.cache.header.arch == header.arch
+        for want, have in zip(layers, got.cache.layers):
+            assert want.keys() == have.keys()
+            for c in want:
+                assert np.array_equal(np.asarray(have[c]), want[c])
+    window_only = kvwire.KVCache(header.replace(layer_tokens=(kvwire.TokenRange(0, T), kvwire.TokenRange(T - 4, 4),
+                                                              kvwire.TokenRange(0, T), kvwire.TokenRange(0, T))),
+                                 [layers[0], {c: x[:, T - 4:] for c, x in layers[1].items()}, layers[2], layers[3]])
+    with pytest.raises(ValueError, match="sliding-window layer that kept only its window"):
+        KVStore(MemoryStore()).put_cache(window_only, tokens)
 
 
 # -- stats -----------------------------------------------------------------------------------
@@ -506,3 +532,55 @@ def test_store24_kvstore_over_a_redis_cluster(redis_cluster_url):
         assert all(same_bits(got.cache.layers[i][c], cache.layers[1 + i][c]) for i in range(2) for c in "kv")
     finally:
         store.close()
+
+
+# -- the scheduler's lookup ----------------------------------------------------------------
+
+def test_store20_lookup_reads_the_first_header_only(tmp_path):
+    """KVW-STORE-20 and -19: ``lookup`` is the hit query plus the first hit's header (one
+    ranged read, far less than the object), checked against the key and, given a
+    ``LocalModel``, for compatibility; an incompatible receiver gets 0 tokens."""
+    cache, tokens = big_cache(3 * C + 2), token_ids(3 * C + 2)
+    for store in (MemoryStore(), LocalStore(tmp_path / "s")):
+        kv = KVStore(store)
+        kv.put_cache(cache, tokens)
+        space = KeySpace.of(cache.header)
+        size = store.sizes([space.keys(tokens)[0]])[0]
+        hit = kv.lookup(tokens, space)
+        assert (hit.chunks, hit.tokens) == (3, 3 * C) and hit.header.first_position == 0
+        assert 0 < hit.bytes_read <= HEAD_BYTES < size and hit.verdict is None
+        same = kvwire.LocalModel(cache.header.arch, cache.header.dtype, cache.header.model, require_fingerprints=False)
+        ok = kv.lookup(tokens, space, local=same)
+        assert ok.verdict and ok.tokens == 3 * C
+        other = kvwire.LocalModel(Architecture(cache.header.arch.layers[:1]), cache.header.dtype, cache.header.model,
+                                  require_fingerprints=False)
+        refused = kv.lookup(tokens, space, local=other)
+        assert not refused.verdict and (refused.chunks, refused.tokens) == (0, 0) and refused.verdict.reasons
+        assert kv.lookup(token_ids(3 * C, seed=9), space).chunks == 0  # another prompt: no hit, no bytes
+        assert kv.lookup(token_ids(3 * C, seed=9), space).bytes_read == 0
+    with pytest.raises(TypeError, match="LocalModel"):
+        kv.lookup(tokens, space, local="llama")
+
+
+def test_store17_lookup_drops_a_first_object_that_is_not_the_keys():
+    """KVW-STORE-17: a first object whose header disagrees with its key is a miss and deleted."""
+    cache, tokens = make_cache(2 * C), token_ids(2 * C)
+    kv = KVStore(MemoryStore())
+    kv.put_cache(cache, tokens)
+    space = KeySpace.of(cache.header)
+    keys = space.keys(tokens)
+    kv.store.delete(keys[0])
+    kv.store.put(keys[0], kv.store.get(keys[1]))  # chunk 1's object under chunk 0's key
+    hit = kv.lookup(tokens, space)
+    assert (hit.chunks, hit.tokens) == (0, 0) and not kv.store.exists(keys[0])
+    assert kv.counts["incompatible"] == 1
+
+
+def test_store20_lookup_on_redis_is_two_round_trips(redis_url):
+    """On Redis: one round trip for the hit query, one for the first header."""
+    from kvwire.store import open_store
+    cache, tokens = big_cache(4 * C), token_ids(4 * C)
+    kv = KVStore(open_store(redis_url, timeout=5))
+    kv.put_cache(cache, tokens)
+    hit = kv.lookup(tokens, KeySpace.of(cache.header))
+    assert (hit.chunks, hit.round_trips) == (4, 2) and 0 < hit.bytes_read <= HEAD_BYTES

@@ -11,11 +11,11 @@ redis-py is imported only when a Redis store is opened.
 from .base import Store, StoreError, StoreStats, resolve_range
 from .cluster import RedisClusterStore
 from .keys import KeySpace, codec_fidelity
-from .kvstore import KVStore, LoadResult, PutResult
+from .kvstore import KVStore, LoadResult, Lookup, PutResult
 from .local import LocalStore
 from .memory import MemoryStore
 from .redis import RedisStore
 from .urls import open_store
 
-__all__ = ["KVStore", "KeySpace", "LoadResult", "LocalStore", "MemoryStore", "PutResult", "RedisClusterStore", "RedisStore", "Store", "StoreError",
+__all__ = ["KVStore", "KeySpace", "LoadResult", "LocalStore", "Lookup", "MemoryStore", "PutResult", "RedisClusterStore", "RedisStore", "Store", "StoreError",
            "StoreStats", "codec_fidelity", "open_store", "resolve_range"]

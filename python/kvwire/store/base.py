@@ -121,11 +121,20 @@ def as_buffers(value) -> list:
     return out
 
 
+# Object bytes per put_many / get_many batch that KVStore sends: one round trip per batch on a
+# networked backend, and a bound on the memory one batch holds. In-process and local-file stores
+# pay nothing per call, and batches that stay in the CPU's cache measured 20-25% faster there
+# (zstd puts, LocalStore gets) than 64-256 MiB ones, so they declare the small bound.
+BATCH_BYTES = 256 << 20
+LOCAL_BATCH_BYTES = 16 << 20
+
+
 class Store:
     """Base of the backends: the batch forms loop over the single ones; a networked
     backend overrides them to answer in one round trip (KVW-STORE-5)."""
 
     url = "store://"
+    batch_bytes = BATCH_BYTES  # what a batch of this backend should hold (see above)
 
     def __init__(self):
         self.stats = StoreStats()
@@ -200,4 +209,4 @@ class Store:
         return f"{type(self).__name__}({self.url!r})"
 
 
-__all__ = ["MAX_KEY_LENGTH", "Store", "StoreError", "StoreStats", "as_buffers", "check_key", "check_keys", "resolve_range"]
+__all__ = ["BATCH_BYTES", "LOCAL_BATCH_BYTES", "MAX_KEY_LENGTH", "Store", "StoreError", "StoreStats", "as_buffers", "check_key", "check_keys", "resolve_range"]

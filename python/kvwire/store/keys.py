@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..codecs.presets import PRESETS
 from ..format import registry as R
+from ..format.header import LayerMapEntry
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_hashes
 
 KEY_VERSION = "kvw1"
@@ -158,6 +159,20 @@ _EXPECT = {
 }
 
 
+def range_map(start: int, stop: int) -> tuple:
+    """The layer map of a container holding model layers [start, stop): receiver layer
+    ``start + i`` copies transmitted layer ``i`` (the others, unlisted, are recomputed)."""
+    return tuple(LayerMapEntry(start + i, i, "copy") for i in range(stop - start))
+
+
+def held_layers(header) -> tuple[int, int]:
+    """The model layers [start, stop) a cache holds: its range map's, else all of its own."""
+    n, m = header.num_layers, header.layer_map
+    if m and len(m) == n and m == range_map(m[0].receiver_layer, m[0].receiver_layer + n):
+        return m[0].receiver_layer, m[0].receiver_layer + n
+    return 0, n
+
+
 def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
     """How an object's header disagrees with its key, as far as key and header alone
     decide (KVW-STORE-17): fingerprint, dtype, chunk size, number of layers, token count
@@ -180,6 +195,11 @@ def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
         out.append(f"token_count {header.token_count} not in 1..{C}")
     if header.first_position % C:
         out.append(f"first_position {header.first_position} is not a multiple of {C}")
+    if header.sparse is not None:
+        out.append("a sparse container (the store holds dense chunks)")
+    if space.layers[0] > 0 and header.layer_map != range_map(*space.layers):
+        out.append(f"its layer map does not say it holds model layers {space.layers[0]}..{space.layers[1] - 1} "
+                   "(KVW-STORE-16)")
     p = header.prefix
     if p is None:
         out.append("no prefix chain (KVW-STORE-11 needs one)")
@@ -191,4 +211,4 @@ def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
     return out
 
 
-__all__ = ["KEY_VERSION", "LOSSLESS", "KeySpace", "codec_fidelity", "header_mismatches"]
+__all__ = ["KEY_VERSION", "LOSSLESS", "KeySpace", "codec_fidelity", "header_mismatches", "held_layers", "range_map"]

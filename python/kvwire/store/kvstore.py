@@ -50,22 +50,15 @@ from ..cache.reader import Reader, probe
 from ..cache.tensors import as_numpy, carve
 from ..format.crossmodel import PrefixChain
 from ..format.errors import ChecksumError, FormatError, TruncatedError
-from ..format.header import LayerMapEntry, TokenRange
+from ..format.header import TokenRange
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_root
-from .base import Store
-from .local import LocalStore
-from .memory import MemoryStore
-from .keys import KeySpace, codec_fidelity
+from ..model.compat import LocalModel, check_compatible
+from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
+from .keys import KeySpace, codec_fidelity, header_mismatches, held_layers, range_map
 
+# Layer kinds whose cache is one row per token, so a chunk of tokens is a slice of every layer.
+TOKEN_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "mla_latent")
 HEAD_BYTES = 64 << 10  # first ranged read of an object: enough for the header of any usual model
-# Object bytes per put_many / get_many batch: one round trip per batch on a networked backend, and a
-# bound on the memory one batch holds. In-process and local-file stores pay nothing per call, and
-# batches that stay in the CPU's cache measured 20-25% faster there (zstd puts, LocalStore gets) than
-# 64-256 MiB ones (fresh memory, cold data), so they take the small bound.
-BATCH_BYTES = 256 << 20
-LOCAL_BATCH_BYTES = 16 << 20
-
-
 @dataclass
 class PutResult:
     keys: list = field(default_factory=list)
@@ -81,30 +74,30 @@ class LoadResult:
     chunks: int
 
 
-def range_map(start: int, stop: int) -> tuple:
-    """The layer map of a container holding model layers [start, stop): receiver layer
-    ``start + i`` copies transmitted layer ``i`` (the others, unlisted, are recomputed)."""
-    return tuple(LayerMapEntry(start + i, i, "copy") for i in range(stop - start))
+@dataclass
+class Lookup:
+    """The scheduler's answer for one prompt (``KVStore.lookup``): how many leading chunks
+    (and tokens) the store can serve, decided without loading a tensor."""
 
-
-def held_layers(header) -> tuple[int, int]:
-    """The model layers [start, stop) a cache holds: its range map's, else all of its own."""
-    n, m = header.num_layers, header.layer_map
-    if m and len(m) == n and m == range_map(m[0].receiver_layer, m[0].receiver_layer + n):
-        return m[0].receiver_layer, m[0].receiver_layer + n
-    return 0, n
+    chunks: int  # leading chunk objects that exist and whose first header passed
+    tokens: int  # tokens they cover: an upper bound, a later object may still fail its checks
+    header: object = None  # the first hit's header (one ranged read), None without a hit
+    verdict: object = None  # kvwire.check_compatible(header, local) when ``local`` was given
+    bytes_read: int = 0  # object bytes this lookup read (the first hit's header only)
+    round_trips: int = 0  # requests to the store's servers (0 on local backends)
 
 
 class KVStore:
     """Chunk objects of KV caches in a ``Store`` (``MemoryStore``, ``LocalStore``, ...)."""
 
     def __init__(self, store: Store, *, batch_bytes: int | None = None):
-        """``batch_bytes``: object bytes per ``put_many``/``get_many`` batch (default
-        ``LOCAL_BATCH_BYTES`` for ``MemoryStore``/``LocalStore``, else ``BATCH_BYTES``)."""
+        """``batch_bytes``: object bytes per ``put_many``/``get_many`` batch (default: the
+        backend's ``batch_bytes``, 256 MiB on a networked store, 16 MiB in process and on
+        local files)."""
         if not isinstance(store, Store):
             raise TypeError(f"KVStore needs a kvwire.store.Store (open_store(url)), not {type(store).__name__}")
         if batch_bytes is None:
-            batch_bytes = LOCAL_BATCH_BYTES if isinstance(store, (MemoryStore, LocalStore)) else BATCH_BYTES
+            batch_bytes = store.batch_bytes
         if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes < 1:
             raise ValueError(f"batch_bytes must be None or a positive int, not {batch_bytes!r}")
         self.store, self.batch_bytes = store, batch_bytes
@@ -174,13 +167,13 @@ class KVStore:
                              "(spec/sparse.md): store the dense cache")
         if not isinstance(cache, KVCache):
             raise TypeError(f"put_cache needs a kvwire.KVCache, not {type(cache).__name__}")
-        other = sorted({s.kind for s in h.arch.layers} - {"full_attention"})
+        other = sorted({s.kind for s in h.arch.layers} - set(TOKEN_KINDS))
         if other:
-            raise ValueError(f"the store holds caches of full_attention layers only; this one has "
-                             f"{', '.join(other)} layers (no sliding-window, chunked, MLA, shared or state layers "
-                             "yet)")
+            raise ValueError(f"the store holds caches of {', '.join(TOKEN_KINDS)} layers; this one has "
+                             f"{', '.join(other)} layers (a state or shared layer is not cut into token chunks)")
         if h.first_position != 0 or any(r != TokenRange(0, h.token_count) for r in h.layer_tokens):
-            raise ValueError("the store holds caches from position 0 whose layers all hold every token")
+            raise ValueError("the store holds caches from position 0 whose layers all hold every token (a "
+                             "sliding-window layer that kept only its window cannot be cut into chunks from 0)")
         toks = np.asarray(tokens)
         if toks.ndim != 1 or len(toks) != h.token_count:
             raise ValueError(f"tokens: {len(toks) if toks.ndim == 1 else 'not 1-D'} token ids for a cache of "
@@ -208,6 +201,35 @@ class KVStore:
         """How many leading ``keys`` have an object: one batch exists call, no bytes read."""
         self.counts["queries"] += 1
         return self.store.leading(list(keys))
+
+    def lookup(self, tokens, space: KeySpace, *, local=None, partial: bool = False) -> Lookup:
+        """How much of ``tokens`` the store serves, for a scheduler deciding a cache hit:
+        the hit query over the prompt's chunk keys (one round trip, no object bytes), then,
+        when there is a hit, the first hit's header alone (one ranged get of HEAD_BYTES),
+        checked against its key (KVW-STORE-17) and, with ``local`` (a ``kvwire.LocalModel``),
+        for compatibility (``kvwire.check_compatible``: a foreign model never matches). A
+        first object that fails is a miss (deleted when it is corrupt or not the key's)."""
+        if not isinstance(space, KeySpace):
+            raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
+        if local is not None and not isinstance(local, LocalModel):
+            raise TypeError(f"local must be None or a kvwire.LocalModel, not {type(local).__name__}")
+        trips0, hashes = self.store.stats.round_trips, space.hashes(tokens, partial=partial)
+        keys = [space.key(x) for x in hashes]
+        n = self.leading_hits(keys)
+        if not n:
+            return Lookup(0, 0, round_trips=self.store.stats.round_trips - trips0)
+        head = self.store.get(keys[0], (0, HEAD_BYTES))
+        read = [0 if head is None else len(head)]
+        got = None if head is None else self._check_head(keys[0], head, 0, hashes[0], space, [], read)
+        trips = self.store.stats.round_trips - trips0
+        if got is None:
+            return Lookup(0, 0, bytes_read=read[0], round_trips=trips)
+        header = got[1]
+        verdict = None if local is None else check_compatible(header, local)
+        if verdict is not None and not verdict:
+            return Lookup(0, 0, header, verdict, read[0], trips)
+        C, T = space.chunk_tokens, len(np.asarray(tokens))
+        return Lookup(n, min(n * C, T), header, verdict, read[0], trips)
 
     # -- reading -------------------------------------------------------------------------
     def get_cache(self, tokens, space: KeySpace, n_chunks: int | None = None) -> LoadResult:
@@ -268,12 +290,10 @@ class KVStore:
 
     @staticmethod
     def _matches(h, k, want_hash, space, checked) -> bool:
-        C, p, (a, b) = space.chunk_tokens, h.prefix, space.layers
-        return (h.model.compat_fingerprint == space.fingerprint and h.dtype == space.dtype
-                and h.chunk_tokens == C and h.first_position == k * C and 0 < h.token_count <= C
-                and h.num_layers == b - a and h.sparse is None and (a == 0 or h.layer_map == range_map(a, b))
-                and p is not None and p.scheme == PREFIX_SCHEME and p.hashes == want_hash
-                and (not checked or (h.arch == checked[0][1].arch and checked[-1][1].token_count == C)))
+        """KVW-STORE-17: the header is the key's (``header_mismatches``), at the key's
+        position in this request, and joins the chunks before it."""
+        return (not header_mismatches(h, space, want_hash) and h.first_position == k * space.chunk_tokens
+                and (not checked or (h.arch == checked[0][1].arch and checked[-1][1].token_count == space.chunk_tokens)))
 
     def _decode_all(self, checked, space, hashes, read):
         """(cache, chunks served, tokens) of the checked objects: bodies by batched
@@ -364,5 +384,5 @@ def _layer_range(layers, held) -> tuple[int, int]:
     return a, b
 
 
-__all__ = ["BATCH_BYTES", "HEAD_BYTES", "LOCAL_BATCH_BYTES", "KVStore", "LoadResult", "PutResult", "held_layers",
+__all__ = ["BATCH_BYTES", "HEAD_BYTES", "LOCAL_BATCH_BYTES", "KVStore", "LoadResult", "Lookup", "PutResult", "held_layers",
            "range_map"]

@@ -29,7 +29,7 @@ import time
 import secrets
 
 from ..cache.files import write_all
-from .base import Store, StoreError, check_key, resolve_range
+from .base import LOCAL_BATCH_BYTES, Store, StoreError, check_key, check_keys, resolve_range
 
 LOW_WATER = 0.9  # eviction stops below this fraction of the cap
 TEMP_PREFIX = ".tmp-"
@@ -37,6 +37,7 @@ STALE_TEMP_SECONDS = 3600.0
 
 
 class LocalStore(Store):
+    batch_bytes = LOCAL_BATCH_BYTES
     def __init__(self, root, *, max_bytes: int | None = None, rescan_puts: int = 64, fsync: bool = False):
         super().__init__()
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
@@ -120,13 +121,35 @@ class LocalStore(Store):
         return [self._is_file(p) for p in paths]
 
     def leading(self, keys) -> int:
-        """Leading keys that exist, stat by stat, stopping at the first miss."""
+        """Leading keys that exist, stopping at the first miss. The keys are checked in one
+        pass, and each is ``stat``-ed relative to its open directory (a request's chunk
+        keys share one), so the kernel does not walk the key's eight path segments 512
+        times."""
         self.count(exists_calls=1)
-        n = 0
-        for k in keys:
-            if not self._is_file(self.path(k)):
-                break
-            n += 1
+        n, dir_name, dir_fd = 0, None, None
+        try:
+            for k in check_keys(keys):
+                d, _, name = k.rpartition("/")
+                if d != dir_name:
+                    if dir_fd is not None:
+                        os.close(dir_fd)
+                        dir_fd = None
+                    dir_name = d
+                    try:
+                        dir_fd = os.open(self.root + ("/" + d if d else ""), os.O_RDONLY | os.O_DIRECTORY)
+                    except (FileNotFoundError, NotADirectoryError):
+                        break
+                try:
+                    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                        break
+                except (FileNotFoundError, NotADirectoryError):
+                    break
+                n += 1
+        except OSError as exc:
+            raise StoreError(f"{self.url}: stat failed: {exc}") from exc
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
         return n
 
     def _is_file(self, path: str) -> bool:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .base import Store, StoreError, as_buffers, check_key, resolve_range
+from .base import LOCAL_BATCH_BYTES, Store, StoreError, as_buffers, check_key, resolve_range
 
 
 class MemoryStore(Store):
     url = "memory://"
+    batch_bytes = LOCAL_BATCH_BYTES
 
     def __init__(self, *, max_bytes: int | None = None):
         super().__init__()
