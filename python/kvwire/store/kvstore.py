@@ -114,14 +114,21 @@ class KVStore:
 
         ``layers=(a, b)``: only model layers [a, b) (default: all the cache holds), keyed
         under ``l<a>-<b>`` (KVW-STORE-16); read them back with ``KeySpace(..., layers=(a, b))``.
+
+        A cache may start at a chunk boundary ``first_position = f * chunk_tokens`` (an
+        engine that saves the chunks a prefill step completed): ``tokens`` are then every
+        token from position 0 to its end, since a chunk's key binds all tokens before it,
+        and chunks ``f, f + 1, ...`` are stored.
         """
         t0 = time.perf_counter()
         space, toks, sub = self._check_cache(cache, tokens, codec, tp_rank, tp_size, layers)
         h, C = sub.header, space.chunk_tokens
+        F = h.first_position // C  # the cache's first chunk
         hashes = space.hashes(toks, partial=partial)
-        keys = [space.key(x) for x in hashes]
-        there = self.store.exists_many(keys)
-        out = PutResult(keys=keys, skipped=sum(map(bool, there)))
+        keys = [space.key(x) for x in hashes[F:]]
+        there = [True] * F + list(self.store.exists_many(keys))
+        keys = [None] * F + keys
+        out = PutResult(keys=keys[F:], skipped=sum(map(bool, there[F:])))
         root = prefix_root(space.fingerprint, C)
         per_token = token_bytes(h)
         batch: list = []
@@ -129,10 +136,11 @@ class KVStore:
         for k, (key, present) in enumerate(zip(keys, there)):
             if present:
                 continue
-            a, b = k * C, min((k + 1) * C, h.token_count)
+            a, b = k * C, min((k + 1) * C, h.first_position + h.token_count)
             obj = KVCache(h.replace(token_count=b - a, first_position=a,
                                     prefix=PrefixChain(PREFIX_SCHEME, root if k == 0 else hashes[k - 1], hashes[k])),
-                          [{c: x[:, a:b, :] for c, x in layer.items()} for layer in sub.layers])
+                          [{c: x[:, a - h.first_position:b - h.first_position, :] for c, x in layer.items()}
+                           for layer in sub.layers])
             bufs = list(iter_buffers(obj, form="file", codec=codec))  # raw bodies: views of the caller's arrays
             n = sum(memoryview(x).nbytes for x in bufs)
             if batch and size + n > self.batch_bytes:
@@ -171,13 +179,15 @@ class KVStore:
         if other:
             raise ValueError(f"the store holds caches of {', '.join(TOKEN_KINDS)} layers; this one has "
                              f"{', '.join(other)} layers (a state or shared layer is not cut into token chunks)")
-        if h.first_position != 0 or any(r != TokenRange(0, h.token_count) for r in h.layer_tokens):
-            raise ValueError("the store holds caches from position 0 whose layers all hold every token (a "
-                             "sliding-window layer that kept only its window cannot be cut into chunks from 0)")
+        F = h.first_position
+        if F % h.chunk_tokens or any(r != TokenRange(F, h.token_count) for r in h.layer_tokens):
+            raise ValueError("the store holds caches from position 0 (or a chunk boundary) whose layers all hold "
+                             "every token (a sliding-window layer that kept only its window cannot be cut into "
+                             "chunks from 0)")
         toks = np.asarray(tokens)
-        if toks.ndim != 1 or len(toks) != h.token_count:
+        if toks.ndim != 1 or len(toks) != F + h.token_count:
             raise ValueError(f"tokens: {len(toks) if toks.ndim == 1 else 'not 1-D'} token ids for a cache of "
-                             f"{h.token_count} tokens")
+                             f"{h.token_count} tokens from position {F} (give every token from position 0)")
         held = held_layers(h)
         a, b = held if layers is None else _layer_range(layers, held)
         if (a, b) != held and h.layer_map and h.layer_map != range_map(*held):

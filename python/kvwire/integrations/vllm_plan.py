@@ -1,0 +1,201 @@
+"""The engine-neutral half of the vLLM connector: which model the cache is, what to load and
+save each step, and the copies between vLLM's paged buffers and kvwire's standard layout.
+
+Why apart from ``vllm.py``: this half imports no vLLM, so its rules (a block-aligned match
+that leaves one token to compute, chunks saved once and only when whole, slots from block
+ids) are tested without an engine, and the connector class stays a thin adapter.
+
+The paged view is the one vLLM 0.32 hands every connector (vllm.md): per attention layer a
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` tensor, K in the first half of the
+last axis and V in the second (MLA: one head, the latent as the whole last axis). kvwire's
+standard layout is ``[heads, tokens, head_dim]`` per component.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cache.kvcache import KVCache
+from ..cache.tensors import as_numpy, as_uint
+from ..format.header import Architecture, Header, TokenRange
+from ..model.identity import config_fingerprint, make_identity, weights_fingerprint
+from ..store.keys import KeySpace, codec_fidelity
+
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32"}
+
+
+def layer_index(name: str) -> int:
+    """The model layer of a vLLM attention layer name (``model.layers.3.self_attn.attn``)."""
+    m = LAYER_NAME.search(name)
+    if m is None:
+        raise ValueError(f"cannot tell the model layer of the attention layer {name!r} (expected '...layers.N....')")
+    return int(m.group(1))
+
+
+def files_digest(directory: str, patterns: tuple[str, ...]) -> bytes:
+    """SHA-256 over the names and bytes of the files of ``directory`` that end with one of
+    ``patterns``, in name order (empty directory part: 32 zero bytes)."""
+    h, seen = hashlib.sha256(), False
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.endswith(patterns):
+            seen = True
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(directory, name), "rb") as f:
+                for block in iter(lambda: f.read(8 << 20), b""):
+                    h.update(block)
+    return h.digest() if seen else bytes(32)
+
+
+def model_weights_fingerprint(directory: str) -> bytes:
+    """``weights_fingerprint`` (crossmodel.md) of the safetensors files of a model directory:
+    the named tensors, read through safetensors' memory map."""
+    from safetensors import safe_open
+
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"{directory}: no *.safetensors weights to fingerprint; give the connector "
+                         "kv_connector_extra_config['model_fingerprint'] (hex) instead")
+    opened = [safe_open(os.path.join(directory, n), framework="pt") for n in names]
+    named = sorted(((k, f) for f in opened for k in f.keys()), key=lambda kf: kf[0])  # a name in two shards: ValueError
+    return weights_fingerprint((k, f.get_tensor(k)) for k, f in named)
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """Everything the store keys and checks bind for one vLLM model and shard."""
+
+    arch: Architecture
+    dtype: str
+    identity: object  # kvwire ModelIdentity
+    space: KeySpace
+
+    @classmethod
+    def of(cls, arch: Architecture, dtype: str, model_dir: str, *, chunk_tokens: int, codec: str = "raw",
+           tp_rank: int = 0, tp_size: int = 1, config: dict | None = None, fingerprint: str | None = None):
+        tokenizer = files_digest(model_dir, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                             "vocab.json", "merges.txt"))
+        weights = bytes.fromhex(fingerprint) if fingerprint else model_weights_fingerprint(model_dir)
+        ident = make_identity(arch, dtype, tokenizer=tokenizer, weights=weights,
+                              config=config_fingerprint(config or {}))
+        space = KeySpace(ident.compat_fingerprint, dtype, chunk_tokens, (0, arch.num_layers), tp_rank, tp_size,
+                         codec_fidelity(codec))
+        return cls(arch, dtype, ident, space)
+
+
+# -- scheduler bookkeeping -------------------------------------------------------------------
+
+@dataclass
+class LoadSpec:
+    """Load tokens [start, stop) of ``tokens`` (the prompt up to the last stored chunk the
+    load needs) into the request's blocks."""
+
+    req_id: str
+    tokens: list
+    start: int
+    stop: int
+    block_ids: list
+
+
+@dataclass
+class SaveSpec:
+    """Save whole chunks [first, stop) (of ``chunk_tokens``) of ``tokens`` from the blocks."""
+
+    req_id: str
+    tokens: list
+    first: int
+    stop: int
+    block_ids: list
+
+
+@dataclass
+class RequestState:
+    prompt: list
+    block_ids: list = field(default_factory=list)
+    saved: int = 0  # chunks already saved, loaded or planned
+
+
+def matched_tokens(hit_tokens: int, prompt_len: int, num_computed: int, block_size: int) -> int:
+    """Tokens the connector offers beyond the ``num_computed`` vLLM already has: the stored
+    prefix, cut to leave at least one prompt token to compute (vLLM must run the last one to
+    sample) and to whole blocks."""
+    usable = min(hit_tokens, prompt_len - 1) // block_size * block_size
+    return max(0, usable - num_computed)
+
+
+def chunks_to_save(state: RequestState, computed_after: int, chunk_tokens: int) -> tuple[int, int] | None:
+    """The chunks [first, stop) of the prompt that are whole once ``computed_after`` tokens
+    are computed and were not saved yet (the prompt's partial last chunk never is)."""
+    stop = min(computed_after, len(state.prompt)) // chunk_tokens
+    if stop <= state.saved:
+        return None
+    first, state.saved = state.saved, stop
+    return first, stop
+
+
+def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
+    """The paged slots (block * block_size + offset) of tokens [start, stop)."""
+    t = np.arange(start, stop, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    if stop > len(blocks) * block_size:
+        raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks, the request has {len(blocks)}")
+    return blocks[t // block_size] * block_size + t % block_size
+
+
+# -- copies between the paged view and the standard layout -----------------------------------
+
+def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool):
+    """{component: [heads, tokens, dim]} torch copies of the slots of one layer's paged view."""
+    import torch
+
+    n = kv_layer.shape[2]
+    idx = torch.from_numpy(slot_ids)
+    x = kv_layer[idx // n, :, idx % n]  # [tokens, heads, C]: one gather copy
+    if mla:
+        return {"latent": x.permute(1, 0, 2).contiguous()}
+    return {"k": x[..., :head_dim].permute(1, 0, 2).contiguous(), "v": x[..., head_dim:].permute(1, 0, 2).contiguous()}
+
+
+def scatter_layer(kv_layer, slot_ids: np.ndarray, arrays: dict, head_dim: int, mla: bool) -> None:
+    """Write {component: [heads, tokens, dim]} arrays into the slots of a paged view."""
+    import torch
+
+    n = kv_layer.shape[2]
+    idx = torch.from_numpy(slot_ids)
+    blocks, offs = idx // n, idx % n
+
+    def tensor(a):
+        a = as_numpy(a)
+        return torch.from_numpy(np.ascontiguousarray(as_uint(a))).view(kv_layer.dtype).permute(1, 0, 2)
+
+    if mla:
+        kv_layer[blocks, :, offs] = tensor(arrays["latent"])
+        return
+    kv_layer[blocks, :, offs, :head_dim] = tensor(arrays["k"])
+    kv_layer[blocks, :, offs, head_dim:] = tensor(arrays["v"])
+
+
+def chunk_cache(key: ModelKey, layers: list, first_token: int, count: int) -> KVCache:
+    """A KVCache of tokens [first_token, first_token + count) from gathered layers."""
+    h = Header(arch=key.arch, token_count=count, dtype=key.dtype, first_position=first_token,
+               layer_tokens=tuple(TokenRange(first_token, count) for _ in range(key.arch.num_layers)),
+               chunk_tokens=key.space.chunk_tokens, model=key.identity)
+    return KVCache(h, layers)
+
+
+def dtype_of(torch_dtype_obj) -> str:
+    name = str(torch_dtype_obj)
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"the kvwire connector stores {', '.join(TORCH_DTYPES.values())} KV caches, not {name} "
+                         "(fp8 KV caches are not supported yet)")
+    return TORCH_DTYPES[name]
+
+
+__all__ = ["LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache", "chunks_to_save", "dtype_of",
+           "files_digest", "gather_layer", "layer_index", "matched_tokens", "model_weights_fingerprint",
+           "scatter_layer", "slots"]

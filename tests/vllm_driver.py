@@ -1,0 +1,61 @@
+"""One real vLLM engine run for tests/test_vllm_e2e.py, in the vLLM venv (.venv-vllm).
+
+    .venv-vllm/bin/python tests/vllm_driver.py SPEC.json OUT.json
+
+SPEC: {"model": dir, "prompts": [[token ids]], "connector": null | {extra config},
+"kv_connector": "KVWireConnector" (default) or "ExampleConnector", "one_by_one": false,
+"max_tokens": 8, "wait_for": path or null (start the engine, then wait for this file
+before generating: a consumer running beside its producer), "done": path or null (touch
+after generating)}. OUT: {"outputs": [{"tokens": [...], "num_cached_tokens": n}],
+"seconds": generate time, "ttft": [per-prompt seconds of a 1-token run when asked]}.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec.get("connector") is not None:
+        name = spec.get("kv_connector", "KVWireConnector")  # or vLLM's own "ExampleConnector" (benchmarks)
+        path = {"kv_connector_module_path": "kvwire.integrations.vllm"} if name == "KVWireConnector" else {}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=name, kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"], **path)
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=spec.get("max_model_len", 2048), enforce_eager=True, block_size=32,
+              enable_prefix_caching=spec.get("prefix_caching", False), **kw)
+    if spec.get("wait_for"):
+        deadline = time.time() + 600
+        while not os.path.exists(spec["wait_for"]):
+            if time.time() > deadline:
+                raise SystemExit("timed out waiting for " + spec["wait_for"])
+            time.sleep(0.2)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
+    outputs, ttft = [], []
+    t0 = time.perf_counter()
+    if spec.get("one_by_one"):
+        for p in spec["prompts"]:
+            a = time.perf_counter()
+            o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            ttft.append(time.perf_counter() - a)
+            outputs.append(o)
+    else:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    out = {"outputs": [{"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+                       for o in outputs], "seconds": seconds, "ttft": ttft}
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    if spec.get("done"):
+        open(spec["done"], "w").close()
+
+
+if __name__ == "__main__":
+    main()
