@@ -222,9 +222,10 @@ def test_store14_15_16_no_collisions_across_the_root():
 
 # -- KVStore -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["memory", "local"])
-def test_store11_put_get_cache_round_trip(tmp_path, backend):
-    store = MemoryStore() if backend == "memory" else LocalStore(tmp_path)
+def check_kvstore_round_trip(store) -> None:
+    """KVW-STORE-11/17/20 on any backend (tests/test_store_redis.py runs it on Redis): put_cache,
+    leading_hits and get_cache return the tensors bit for bit; a second put writes only the
+    new (partial) chunk."""
     kv = KVStore(store)
     cache, tokens = make_cache(10), list(range(100, 110))
     res = kv.put_cache(cache, tokens)
@@ -242,9 +243,17 @@ def test_store11_put_get_cache_round_trip(tmp_path, backend):
     assert one.header.first_position == 4 and one.header.token_count == 4
     again = kv.put_cache(cache, tokens, partial=True)
     assert again.written == 1 and again.skipped == 2  # only the partial chunk is new
-    assert kv.get_cache(tokens, space).tokens == 10
+    full = kv.get_cache(tokens, space)
+    assert full.tokens == 10
+    assert all(np.array_equal(full.cache.layers[i][c], cache.layers[i][c]) for i in range(2) for c in "kv")
     st_ = kv.stats()
     assert st_["objects_written"] == 3 and st_["objects_skipped"] == 2 and st_["hit_rate"] > 0
+    assert st_["checksum_failures"] == 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_store11_put_get_cache_round_trip(tmp_path, backend):
+    check_kvstore_round_trip(MemoryStore() if backend == "memory" else LocalStore(tmp_path))
 
 
 def test_store11_shared_prefix_reuse(tmp_path):

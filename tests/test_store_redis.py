@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kvwire
 from kvwire.format.header import ModelIdentity
 from kvwire.store import KeySpace, KVStore, StoreError, open_store, resolve_range
+from test_store import check_kvstore_round_trip
 
 FP = hashlib.sha256(b"redis-store-test-model").digest()
 C = 4
@@ -185,28 +186,8 @@ def test_cluster_keys_spread_over_the_three_masters(redis_cluster, redis_cluster
 
 
 def test_store11_kvstore_round_trip_on_redis(store):
-    """KVW-STORE-11/17/20: put_cache, leading_hits and get_cache return the tensors bit for bit;
-    the second put writes only the new (partial) chunk."""
-    kv = KVStore(store)
-    cache, tokens = make_cache(10), list(range(100, 110))
-    res = kv.put_cache(cache, tokens)
-    assert res.written == 2 and res.skipped == 0 and len(store.list()) == 2
-    space = KeySpace.of(cache.header)
-    assert kv.leading_hits(space.keys(tokens)) == 2
-    got = kv.get_cache(tokens, space)
-    assert got.tokens == 8 and got.chunks == 2
-    for i in range(2):
-        for c in "kv":
-            assert np.array_equal(got.cache.layers[i][c], cache.layers[i][c][:, :8])
-    assert kvwire.covered_tokens(got.cache.header, tokens) == 8
-    one = kvwire.load(bytes(store.get(space.keys(tokens)[1])))
-    assert one.header.first_position == 4 and one.header.token_count == 4
-    again = kv.put_cache(cache, tokens, partial=True)
-    assert again.written == 1 and again.skipped == 2
-    full = kv.get_cache(tokens, space)
-    assert full.tokens == 10
-    assert all(np.array_equal(full.cache.layers[i][c], cache.layers[i][c]) for i in range(2) for c in "kv")
-    assert kv.stats()["checksum_failures"] == 0 and kv.stats()["hit_rate"] > 0
+    """KVW-STORE-11/17/20 on Redis and the cluster: test_store.check_kvstore_round_trip."""
+    check_kvstore_round_trip(store)
 
 
 def test_store11_kvstore_zstd_and_bigger_chunks(store):

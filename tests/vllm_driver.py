@@ -4,6 +4,7 @@
 
 SPEC: {"model": dir, "prompts": [[token ids]], "connector": null | {extra config},
 "kv_connector": "KVWireConnector" (default) or "ExampleConnector", "one_by_one": false,
+"pause_after": n (with one_by_one: before prompt n, touch "pause_flag" and wait for "resume_flag"),
 "max_tokens": 8, "wait_for": path or null (start the engine, then wait for this file
 before generating: a consumer running beside its producer), "done": path or null (touch
 after generating)}. OUT: {"outputs": [{"tokens": [...], "num_cached_tokens": n}],
@@ -30,7 +31,9 @@ def main():
             kv_connector_extra_config=spec["connector"], **path)
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=spec.get("max_model_len", 2048), enforce_eager=True, block_size=32,
-              enable_prefix_caching=spec.get("prefix_caching", False), **kw)
+              enable_prefix_caching=spec.get("prefix_caching", False),
+              **({"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}),
+              **kw)
     if spec.get("wait_for"):
         deadline = time.time() + 600
         while not os.path.exists(spec["wait_for"]):
@@ -41,7 +44,11 @@ def main():
     outputs, ttft = [], []
     t0 = time.perf_counter()
     if spec.get("one_by_one"):
-        for p in spec["prompts"]:
+        for n, p in enumerate(spec["prompts"]):
+            if n == spec.get("pause_after"):  # let the test break something mid-run, then go on
+                open(spec["pause_flag"], "w").close()
+                while not os.path.exists(spec["resume_flag"]):
+                    time.sleep(0.1)
             a = time.perf_counter()
             o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
             ttft.append(time.perf_counter() - a)
