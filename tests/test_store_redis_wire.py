@@ -149,3 +149,30 @@ def test_store24_cluster_routes_per_master(redis_cluster_url):
     assert s.get_many(keys[:5]) == [k.encode() for k in keys[:5]]
     assert s.list("kvw1/x/") == sorted(keys)
     assert s.delete(keys[150]) and s.leading(keys) == 150
+
+
+def test_store24_moved_refreshes_the_slot_map_and_retries(redis_cluster_url, redis_cluster):
+    """KVW-STORE-24: a slot moved to another master after the client read the slot map: the
+    old owner answers MOVED, the client refreshes the map and retries once, and the object
+    lands on (and is read from) the new owner."""
+    s = open_store(redis_cluster_url, timeout=2)
+    key = "kvw1/moved/probe"
+    slot = s.slot(key)
+    clients = [n.client() for n in redis_cluster.nodes]
+    try:
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+        owner = redis_cluster.node_for_key(key)
+        target = (owner + 1) % len(clients)
+        for c in [clients[target]] + [c for i, c in enumerate(clients) if i != target]:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])  # the slot is empty: a plain move
+        before = s.stats.round_trips
+        assert s.put(key, b"moved") is True  # the stale map sends it to the old owner first
+        assert s.stats.round_trips - before >= 3  # MOVED, CLUSTER SLOTS, the retry
+        assert clients[target].get(key) == b"moved"  # the old owner now answers MOVED itself
+        assert s.get(key) == b"moved" and s.leading([key]) == 1
+    finally:
+        clients[target].execute_command("DEL", key)
+        for c in [clients[owner]] + [c for i, c in enumerate(clients) if i != owner]:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[owner])
+        for c in clients:
+            c.close()
