@@ -22,7 +22,7 @@ import time
 from urllib.parse import urlsplit
 
 from .base import Store, StoreError, check_keys
-from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, import_redis, parse_auth, parse_host
+from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, check_timeout, import_redis, parse_auth, parse_host
 
 SLOTS = 16384
 # Position of the first of ARGV (this node's keys, in the request's order) that is missing.
@@ -36,17 +36,13 @@ NODE_LEADING_SCRIPT = b"#!lua flags=allow-cross-slot-keys,no-writes\n" \
 class RedisClusterStore(RedisStore):
     """A store on a Redis Cluster, found from one or more seed nodes."""
 
-    degrade = True
-
     def __init__(self, seeds, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
                  username=None, password=None, retry_after: float = 1.0):
         Store.__init__(self)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         seeds = [(str(h), int(p)) for h, p in seeds]
         if not seeds:
             raise ValueError("a Redis Cluster store needs at least one seed node host:port")
-        self.timeout, self.retry_after = float(timeout), float(retry_after)
+        self.timeout, self.retry_after = check_timeout(timeout), float(retry_after)
         self.url = "redis-cluster://" + ",".join(f"{h}:{p}" for h, p in seeds)
         self._opts = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password)
         import_redis()

@@ -23,7 +23,6 @@ within it, never a hang. ``kvwire.store.cluster`` routes the same commands per n
 
 from __future__ import annotations
 
-import threading
 from urllib.parse import unquote, urlsplit
 
 from .base import Store, StoreError, as_buffers, check_key, check_keys, resolve_range
@@ -166,6 +165,12 @@ def range_reply(cmd, reply):
     return reply
 
 
+def check_timeout(timeout) -> float:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
 def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or any(not (c.isascii() and (c.isalnum() or c in "._-/")) for c in prefix):
         raise ValueError(f"a list prefix is made of key characters [A-Za-z0-9._-/], not {prefix!r}")
@@ -175,18 +180,13 @@ def check_prefix(prefix: str) -> str:
 class RedisStore(Store):
     """A store on one Redis server (``redis://[user:password@]host:port/db``)."""
 
-    degrade = False  # a cluster turns a down node's reads into misses; one server down is an error
-
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float | None = None, username=None, password=None):
         super().__init__()
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self.url = f"redis://{host}:{port}/{db}"
         self.node = Node(host, port, db, timeout=timeout, connect_timeout=connect_timeout, username=username,
                          password=password)
-        self._lock = threading.Lock()
 
     # -- routing: one server answers everything (the cluster overrides these two) ---------
     def run(self, commands, keys) -> list:
@@ -378,4 +378,5 @@ def open_redis(url: str, **options) -> RedisStore:
     return RedisStore(host, port, int(db), username=user, password=password, **options)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "MISSING", "Node", "RedisStore", "open_redis", "pack", "parse_auth", "parse_host"]
+__all__ = ["DEFAULT_TIMEOUT", "MISSING", "Node", "RedisStore", "check_timeout", "open_redis", "pack", "parse_auth",
+           "parse_host"]
