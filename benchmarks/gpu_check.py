@@ -20,6 +20,11 @@ Measures, on one synthetic cache (Llama-3-8B shape by default: 32 layers x 8 KV 
   offload    save from the GPU: engine blocks -> pinned offload ring (device->host), with
              the time allocate() spent waiting when planning 0 or --ahead pages ahead
   encode     container bytes produced from the ring (zero-copy bodies)
+  vllm       the vLLM connector's device path (kvwire.integrations): vLLM 0.32's per-layer
+             [blocks, heads, block_size, 2*head_dim] views on the GPU (KVCacheLayout LBHNC
+             and the non-contiguous LBNHC view), chunks gathered from them and stored in
+             a MemoryStore, then loaded layer by layer (LayerPipeline: a thread a layer
+             ahead) and scattered into other device buffers at shuffled block ids
 
 and checks bit-exactness of every path (bf16, f16, fp8 e4m3, f32 for load; the rest in
 bf16) with NaN payloads included. Exit status: 0 when every check passed (or, without
@@ -232,21 +237,21 @@ def main(argv=None) -> int:
         raw = [torch.randint(0, 256, (2, total_blocks, args.heads, bs, args.head_dim * 2), dtype=torch.uint8,
                              generator=gen).to(dev).view(torch.bfloat16) for _ in range(args.layers)]
         views = [t.permute(0, 1, 3, 2, 4) for t in raw]
-        src = layouts.bind("vllm.flash_hnd", views, engine="gpu_check")
+        src = layouts.bind("vllm.v0_9_1_to_0_22.flash_hnd", views, engine="gpu_check")
         state["src"], state["views"] = src, views
         state["want"] = layouts.gather(src, ids, args.tokens)
 
     def scatter():
         src = state["src"]
         engine_data = layouts.encode_from_engine(src, ids, args.tokens, chunk_tokens=args.chunk_tokens)
-        dst = layouts.bind("vllm.flash_hnd", [torch.zeros_like(t) for t in state["views"]])  # keeps HND strides
+        dst = layouts.bind("vllm.v0_9_1_to_0_22.flash_hnd", [torch.zeros_like(t) for t in state["views"]])  # keeps HND strides
         mirror = StagingRing(env.stream(), 1, args.ring_slots, device_mirror=True)
 
         def run():
             with kvwire.open(engine_data) as r:
                 dst.scatter(r, ids2, ring=mirror).synchronize()
 
-        row("scatter -> vllm.flash_hnd", timed(env, run, args.repeat), nbytes, "shuffled block ids")
+        row("scatter -> vllm 0.9-0.22 flash HND", timed(env, run, args.repeat), nbytes, "shuffled block ids")
         got = layouts.gather(dst, ids2, args.tokens)
         check("scatter bf16", all(same_bits(state["want"][i][c], got[i][c]) for i in range(args.layers) for c in "kv"))
 
@@ -285,8 +290,56 @@ def main(argv=None) -> int:
                 r.layer(i)[c].view(np.uint16), int_view(want[i][c]).contiguous().cpu().numpy().view(np.uint16))
                 for i in range(args.layers) for c in "kv"))
 
+    def vllm_connector():
+        from kvwire.integrations.vllm_pipeline import LayerPipeline
+        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, gather_layer, scatter_layer, slots
+        from kvwire.store import KVStore, MemoryStore
+
+        arch = kvwire.Architecture.uniform(args.layers, args.heads, args.head_dim)
+        C = args.chunk_tokens
+        T = args.tokens // C * C
+        with tempfile.TemporaryDirectory() as tmp:
+            key = ModelKey.of(arch, "bf16", tmp, chunk_tokens=C, fingerprint="11" * 32)
+        prompt = rng.integers(0, 50000, T).tolist()
+        nb = -(-T // bs)
+        blocks_a, blocks_b = rng.permutation(2 * nb)[:nb].tolist(), rng.permutation(2 * nb)[:nb].tolist()
+        for physical in ("LBHNC", "LBNHC"):
+            def view():
+                shape = (2 * nb, args.heads, bs, 2 * args.head_dim) if physical == "LBHNC" else \
+                        (2 * nb, bs, args.heads, 2 * args.head_dim)
+                t = torch.randint(0, 256, shape + (2,), dtype=torch.uint8, generator=gen).to(dev)
+                t = t.view(torch.bfloat16).squeeze(-1)
+                return t if physical == "LBHNC" else t.permute(0, 2, 1, 3)
+            src = [view() for _ in range(args.layers)]
+            ids = slots(blocks_a, bs, 0, T)
+            kv = KVStore(MemoryStore())
+            layers = [gather_layer(x, ids, args.head_dim, False) for x in src]
+            kv.put_cache(chunk_cache(key, layers, 0, T), prompt)
+            dst = [torch.zeros_like(x) for x in src]
+            out = slots(blocks_b, bs, 0, T - 1)
+
+            def run():
+                pipe = LayerPipeline(kv, key.space, [("r", prompt, T // C)], args.layers, depth=2)
+                for i in range(args.layers):
+                    arrays = pipe.wait(i)[0]
+                    scatter_layer(dst[i], out, {c: x[:, :T - 1] for c, x in arrays.items()}, args.head_dim, False)
+                    pipe.done(i)
+                env.sync()
+                return pipe.close()
+
+            row(f"vllm connector load -> {physical} view", timed(env, run, args.repeat), nbytes,
+                "MemoryStore, layer by layer, shuffled blocks")
+            served = run()
+            ok = served == [T]
+            for i in range(args.layers):
+                want = gather_layer(src[i], ids[:T - 1], args.head_dim, False)
+                got = gather_layer(dst[i], out, args.head_dim, False)
+                ok = ok and all(same_bits(got[c], want[c]) for c in "kv")
+            check(f"vllm connector {physical} bf16", ok)
+
     for part, fn in (("baseline", baseline), ("load", loads), ("load registered", registered),
-                     ("engine buffers", engine), ("scatter", scatter), ("offload", offload)):
+                     ("engine buffers", engine), ("scatter", scatter), ("offload", offload),
+                     ("vllm connector", vllm_connector)):
         if part in ("scatter", "offload") and "src" not in state:
             continue
         section(part, fn)

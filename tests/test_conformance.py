@@ -40,9 +40,11 @@ VECTORS = ROOT / "conformance" / "vectors"
 # 85a4ee1f... (+ crossmodel, codecs, sparse: spec/crossmodel.md, codecs.md, sparse.md),
 # e30a13fe... (+ rope_truncate: RopeParams field 17),
 # 0c53990d... (+ sparse_codecs: codec specs in sparse containers),
-# 9bec6d3f... (+ parse_budget: KVW-LIM-7 FlatBuffer DAGs).
+# 9bec6d3f... (+ parse_budget: KVW-LIM-7 FlatBuffer DAGs),
+# 4b4d8d31... (+ final_1_0, lossy_extremes, stream_hostile),
+# fb7225bf... (+ kv_scales: revision 1.1, per-layer fp8 scales, spec section 5.10; format 1.1 containers).
 PINNED_MANIFESTS = {
-    "1.0": "4b4d8d310ee611e70e2cc68b915b4196181a870c1412edeb308969a86bac5975",
+    "1.0": "fb7225bf44267ed200ee16ebd2a795af1dc6accffc40d2757f93593e6bcaeaca",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {}

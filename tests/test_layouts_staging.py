@@ -93,7 +93,7 @@ def test_registered_buffers_are_copied_without_staging(tmp_path):
         assert ring.waits == 0  # nothing went through the staging slots
 
 
-@pytest.mark.parametrize("name", ["vllm.flash_hnd", "sglang.mha", "vllm.mla"])
+@pytest.mark.parametrize("name", ["vllm.v0_9_1_to_0_22.flash_hnd", "sglang.mha", "vllm.v0_7_1_to_0_28.mla"])
 @pytest.mark.parametrize("registered", [False, True])
 def test_scatter_through_the_ring_layer_by_layer(name, registered):
     from test_layouts import SPECS, _bind, _bytes, _ids, _pos
@@ -126,7 +126,7 @@ def test_scatter_through_the_ring_layer_by_layer(name, registered):
 
 def test_scatter_to_a_device_needs_a_mirrored_ring():
     cache_buf = [torch.zeros((2, 4, 4, 1, 8), dtype=torch.float16)]
-    eb = layouts.bind("vllm.flash_nhd", cache_buf)
+    eb = layouts.bind("vllm.v0_4_3_to_0_22.flash_nhd", cache_buf, num_heads=1, block_size=4)
     data = layouts.encode_from_engine(eb, [0], 4)
     with SimulatedStream() as stream, kvwire.open(data) as r, pytest.raises(ValueError, match="device_mirror"):
         eb.scatter(r, [1], ring=StagingRing(stream, 64, 2))

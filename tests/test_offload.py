@@ -23,11 +23,11 @@ L, B, N, H, C = 2, 12, 4, 2, 8
 DELAY = 0.06
 
 
-def engine(seed=0, layout="vllm.flash_hnd"):
+def engine(seed=0, layout="vllm.v0_9_1_to_0_22.flash_hnd"):
     gen = torch.Generator().manual_seed(seed)
     raw = [torch.randint(0, 256, (2, B, H, N, C * 2), dtype=torch.uint8, generator=gen).view(torch.bfloat16)
            for _ in range(L)]
-    return raw, layouts.bind(layout, raw)
+    return raw, layouts.bind(layout, raw, num_heads=H, block_size=N)
 
 
 def decoded_equals_engine(data, eb, blocks, tokens) -> bool:
@@ -57,7 +57,8 @@ def test_allocation_past_current_waits_for_the_offload(stream):
         x.view(torch.uint8).fill_(0)
     data = b"".join(ring.iter_buffers(pos, 3 * N - 1))
     ring.release(pos.stop)
-    assert decoded_equals_engine(data, layouts.bind("vllm.flash_hnd", saved), [5, 1, 9], 3 * N - 1)
+    saved_eb = layouts.bind("vllm.v0_9_1_to_0_22.flash_hnd", saved, num_heads=H, block_size=N)
+    assert decoded_equals_engine(data, saved_eb, [5, 1, 9], 3 * N - 1)
     with pytest.raises(ValueError, match="planned offload boundary"):
         ring.allocate(2)  # only block 9 is planned
 
@@ -130,7 +131,7 @@ def test_encoding_reads_straight_from_the_ring(stream, tmp_path):
     data = b"".join(buffers)
     assert decoded_equals_engine(data, eb, [10, 4, 6, 0], 4 * N - 3)
     with kvwire.open(data) as r:
-        assert r.header.chunk_tokens == N and r.header.engine_layout.name == "vllm.flash_hnd"
+        assert r.header.chunk_tokens == N and r.header.engine_layout.name == "vllm.v0_9_1_to_0_22.flash_hnd"
     # save(): writes atomically, then releases
     size = ring.save(tmp_path / "r.kvw", pos, 4 * N - 3, chunk_tokens=2 * N)
     assert size == (tmp_path / "r.kvw").stat().st_size and ring.released == pos.stop
@@ -150,10 +151,10 @@ def test_release_cannot_pass_the_offloaded_pages(stream):
     ring.release(1)
 
 
-@pytest.mark.parametrize("layout", ["vllm.mla", "sglang.mha", "sglang.mla"])
+@pytest.mark.parametrize("layout", ["vllm.v0_7_1_to_0_28.mla", "sglang.mha", "sglang.mla"])
 def test_other_engines(layout):
     gen = torch.Generator().manual_seed(4)
-    if layout == "vllm.mla":
+    if layout == "vllm.v0_7_1_to_0_28.mla":
         bufs = [torch.randint(0, 256, (B, N, 24), dtype=torch.uint8, generator=gen) for _ in range(L)]
         eb, pages, kw = layouts.bind(layout, [b.view(torch.float8_e4m3fn) for b in bufs], kv_lora_rank=16), [3, 7], {}
     elif layout == "sglang.mha":

@@ -37,10 +37,11 @@ def prompts():
     return [list(TEXT[:700]), a, a[:600] + list(TEXT[5000:5400]), list(TEXT[2000:2300]), list(TEXT[3000:3512])]
 
 
-def stored_tokens(p) -> int:
-    """What a consumer should load of prompt ``p`` after a producer stored it: its whole
-    chunks, cut to whole blocks leaving one token to compute."""
-    return min(len(p) // C * C, len(p) - 1) // BLOCK * BLOCK
+def stored_tokens(p, partial: bool = True) -> int:
+    """What a consumer should load of prompt ``p`` after a producer stored it: the whole
+    prompt (its trailing partial chunk is stored too, ``save_partial``) or, with
+    ``partial=False``, its whole chunks; cut to whole blocks leaving one token to compute."""
+    return min(len(p) if partial else len(p) // C * C, len(p) - 1) // BLOCK * BLOCK
 
 
 def vllm_python() -> str:
@@ -91,9 +92,9 @@ def reference(tmp_path_factory):
 
 def test_producer_then_consumer_same_tokens_and_cached_counts(tmp_path, reference):
     """Tokens identical without connector, in the producer that stores and in a fresh consumer
-    that loads; the consumer's num_cached_tokens is exactly the stored whole chunks (block-
-    aligned, one token left to compute), for prompts that share a prefix and for lengths that
-    are not multiples of the chunk."""
+    that loads layer by layer; the consumer's num_cached_tokens is exactly what was stored
+    (block-aligned, one token left to compute), for prompts that share a prefix and for
+    lengths that are not multiples of the chunk (their partial last chunks are stored)."""
     store = f"file://{tmp_path}/store"
     ps = prompts()
     prod = run(tmp_path, "producer", ps, dict(store=store, stats_path=str(tmp_path / "p")))
@@ -103,8 +104,10 @@ def test_producer_then_consumer_same_tokens_and_cached_counts(tmp_path, referenc
     assert all(o["num_cached_tokens"] <= stored_tokens(p) for o, p in zip(prod["outputs"], ps))
     _, pw = stats(tmp_path / "p")
     # distinct whole chunks: the 700- and 1000-byte prompts and the third one's first 600 bytes share
-    # 2; then the 1000-byte prompt's 3rd, the third prompt's 3rd, 1 of the 300 and 2 of the 512: 7
-    assert pw["saved_chunks"] == 7 and pw["save_errors"] == 0
+    # 2; then the 1000-byte prompt's 3rd, the third prompt's 3rd, 1 of the 300 and 2 of the 512: 7;
+    # and the partial last chunks of the 700-, 1000-, second 1000- and 300-byte prompts: 4
+    assert pw["saved_chunks"] == 11 and pw["save_errors"] == 0
+    check_against_transformers(store, ps[1])
     cons = run(tmp_path, "consumer", ps, dict(store=store, stats_path=str(tmp_path / "c")))
     assert tokens(cons) == tokens(reference)
     want = [stored_tokens(p) for p in ps]
@@ -112,6 +115,48 @@ def test_producer_then_consumer_same_tokens_and_cached_counts(tmp_path, referenc
     cs, cw = stats(tmp_path / "c")
     assert cs["matched_tokens"] == sum(want) and cw["loaded_tokens"] == sum(want)
     assert cw["load_failed_tokens"] == 0 and cw["store"]["checksum_failures"] == 0
+
+
+def check_against_transformers(store_url: str, prompt) -> None:
+    """What vLLM stored is the model's K and V, not merely bytes that round-trip through vLLM:
+    the chunks of ``prompt`` loaded from the store match Hugging Face transformers'
+    ``past_key_values`` of the same tokens (post-RoPE keys, [heads, tokens, head_dim]) to
+    bf16 rounding, in every layer; so another engine (or kvwire.adapters.hf) reads them
+    correctly (spec/layouts.md: the CPU backend's K/V packing differs from the GPU ones)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kvwire.store import KVStore, open_store
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()
+    n = len(prompt) // C * C
+    with torch.no_grad():
+        pkv = model(torch.tensor([prompt[:n]]), use_cache=True).past_key_values
+    got = KVStore(open_store(store_url)).get_cache(prompt, key_space(), n_chunks=n // C)
+    assert got.tokens == n
+    layout = got.cache.header.engine_layout  # derived from the buffers and the backend's kernels, recorded
+    assert layout.name == "vllm.v0_29.cpu.vec" and layout.engine.startswith("vllm/0.32"), layout
+    for i, layer in enumerate(got.cache.layers):
+        hk, hv = (x[0].float().numpy() for x in (pkv.layers[i].keys, pkv.layers[i].values))
+        for name, mine, theirs in (("k", layer["k"], hk), ("v", layer["v"], hv)):
+            mine = np.asarray(mine, dtype=np.float32)
+            assert mine.shape == theirs.shape, (i, name)
+            err = np.abs(mine - theirs).max() / (np.abs(theirs).max() + 1e-6)
+            cos = (mine * theirs).sum() / np.sqrt((mine * mine).sum() * (theirs * theirs).sum())
+            assert cos > 0.999 and err < 0.05, f"layer {i} {name}: cosine {cos:.5f}, max rel err {err:.4f}"
+
+
+def key_space():
+    """The connector's key space for the repository's model."""
+    import transformers
+
+    from kvwire.adapters.hf_model import arch_from_config
+    from kvwire.integrations.vllm_plan import ModelKey
+
+    arch = arch_from_config(transformers.AutoConfig.from_pretrained(MODEL))
+    return ModelKey.of(arch, "bf16", str(MODEL), chunk_tokens=C,
+                       config=json.loads((MODEL / "config.json").read_text())).space
 
 
 def KeySpace_keys(p):
@@ -149,9 +194,10 @@ def test_other_weights_get_no_hits(tmp_path, reference):
 
 
 def test_corrupted_object_is_recomputed_not_served(tmp_path, reference):
-    """A corrupted chunk object (one flipped byte in its tensor bytes): the consumer reports its
-    blocks as load errors, vLLM recomputes them, the tokens stay correct and the stats show
-    the checksum failure."""
+    """A corrupted chunk object (one flipped byte in its layer-2 V body), found while the
+    consumer loads layer by layer, during the forward pass: the consumer reports the blocks
+    from that chunk on as load errors, vLLM recomputes them, the tokens stay correct and the
+    stats show the checksum failure."""
     from kvwire.store import LocalStore
 
     store_dir = tmp_path / "store"
@@ -167,10 +213,10 @@ def test_corrupted_object_is_recomputed_not_served(tmp_path, reference):
         f.write(data)
     cons = run(tmp_path, "consumer", ps, dict(store=f"file://{store_dir}", stats_path=str(tmp_path / "c")))
     assert tokens(cons) == tokens(reference)[:2]
-    # vLLM reports the tokens the connector matched (768), then recomputes the 256 that failed to load
-    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [512, 768]
+    # vLLM reports the tokens the connector matched (992), then recomputes the 480 from the bad chunk on
+    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [672, 992]
     _, cw = stats(tmp_path / "c")
-    assert cw["store"]["checksum_failures"] == 1 and cw["load_failed_tokens"] == 256
+    assert cw["store"]["checksum_failures"] == 1 and cw["load_failed_tokens"] == 992 - 512
     # the bad object was deleted, and the consumer stored the chunk it recomputed in its place
     assert cw["saved_chunks"] == 1
     assert kvwire.Reader(open(path, "rb").read()).load(verify=True).header.token_count == C
@@ -238,15 +284,18 @@ def test_redis_killed_mid_run_keeps_serving_correct_tokens(tmp_path, reference):
 def test_lossy_int8_codec_agreement(tmp_path, reference):
     """Chunks stored with the int8 preset (keyed under fidelity 'int8', never mixed with
     lossless objects) load into a consumer; its greedy tokens are compared with the exact
-    run and the agreement is reported (and must stay high on this trained model)."""
+    run and the agreement is reported (and must stay high on this trained model). Whole
+    chunks only and every layer loaded before the forward pass (``save_partial`` and
+    ``layerwise`` false): the connector's other paths."""
     store = f"file://{tmp_path}/store"
     ps = prompts()
-    run(tmp_path, "producer", ps, dict(store=store, codec="int8"))
+    plain = dict(save_partial=False, layerwise=False)
+    run(tmp_path, "producer", ps, dict(store=store, codec="int8", **plain))
     exact = run(tmp_path, "exact", ps, dict(store=store, stats_path=str(tmp_path / "e")))  # raw keys: no hits
     assert tokens(exact) == tokens(reference)
     assert [o["num_cached_tokens"] for o in exact["outputs"]][:1] == [0]
-    cons = run(tmp_path, "consumer", ps, dict(store=store, codec="int8", stats_path=str(tmp_path / "c")))
-    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [stored_tokens(p) for p in ps]
+    cons = run(tmp_path, "consumer", ps, dict(store=store, codec="int8", stats_path=str(tmp_path / "c"), **plain))
+    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [stored_tokens(p, partial=False) for p in ps]
     got, want = tokens(cons), tokens(reference)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     total = sum(len(w) for w in want)

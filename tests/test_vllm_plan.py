@@ -482,7 +482,7 @@ def test_layer_index_refuses_names_without_a_layer_number(name):
 def test_dtype_of():
     assert [dtype_of(t) for t in (torch.bfloat16, torch.float16, torch.float32)] == ["bf16", "f16", "f32"]
     for t in (torch.float8_e4m3fn, torch.float8_e5m2):
-        with pytest.raises(ValueError, match=r"bf16, f16, f32 KV caches.*fp8 KV caches are not supported yet"):
+        with pytest.raises(ValueError, match=r"bf16, f16, f32 KV caches \(and fp8 ones, kv_cache_dtype 'fp8'\)"):
             dtype_of(t)
     with pytest.raises(ValueError, match="not torch.int8"):
         dtype_of(torch.int8)

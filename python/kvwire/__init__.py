@@ -28,6 +28,7 @@ from .format.header import (
     Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
 )
 from .format.codec_specs import CodecSpec
+from .format.kv_scales import KVScale  # 1.1: per-layer fp8 scales (Header.kv_scales, spec 5.10)
 from .cache.files import load, open
 from .cache.reader import Reader, probe
 from .format.crossmodel import PrefixChain, StateTensor
@@ -45,7 +46,7 @@ from .codecs.policy import Plan, plan  # after the submodule import, kvwire.plan
 __all__ = [
     "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",
     "FormatError", "Header",
-    "HeaderError", "KVCache", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
+    "HeaderError", "KVCache", "KVScale", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "SparseInfo", "SparseKVCache", "TokenRange", "TruncatedError",
     "LocalModel", "PrefixChain", "PrefixIndex", "StateTensor", "Verdict", "check_compatible", "covered_tokens",
     "prefix_hashes",

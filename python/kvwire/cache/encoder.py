@@ -22,6 +22,7 @@ from ..format.container import (
     build_trailer, next_frame_offset, xxh3,
 )
 from ..format.crossmodel import with_state_bit
+from ..format.kv_scales import writer_header
 from ..format.errors import FormatError
 from ..format.header import Header, build_header, parse_header
 from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
@@ -42,6 +43,7 @@ class Encoder:
         -> codec`` (spec/codecs.md); codec specs are added to the header (``Encoder.header``)."""
         check_header_argument(header)
         header = with_state_bit(header)  # required bits follow from the header (KVW-STATE-1)
+        header = writer_header(header)  # bit kv_scales iff Header.kv_scales, format_minor (KVW-SCALE-1, KVW-EVOL-12)
         # every chunk's pipeline, known before the header is built (spec/codecs.md; sparse: per head)
         self._plan = CodecPlan(header, codec, level)
         header = self._plan.header
@@ -69,7 +71,7 @@ class Encoder:
         self._expect("new", "begin")
         self._state = "chunks"
         self._pos = PREAMBLE_SIZE + len(self._header_bytes)
-        return [build_preamble(self._header_bytes), self._header_bytes]
+        return [build_preamble(self._header_bytes, self.header.format_minor), self._header_bytes]
 
     def chunk(self, layer: int, component: str, token_start: int, data, *, head: int = 0) -> list:
         """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor.

@@ -5,7 +5,9 @@ Each stored layer maps component name ("k", "v" or "latent") to one tensor of sh
 layer's own token count (a sliding-window layer may hold fewer than a full one).
 A state layer (SSM / linear attention, spec/crossmodel.md) maps "state" to
 ``{name: tensor}``, each tensor in the shape and dtype its ``StateTensor`` declares.
-Tensors may be numpy arrays or torch tensors; the header says what they mean.
+Tensors may be numpy arrays or torch tensors; the header says what they mean. An fp8 cache
+with per-layer scales (``Header.kv_scales``, spec section 5.10) holds the stored fp8
+elements; ``dequantize`` gives the values they stand for (KVW-SCALE-6).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Mapping, Sequence
 
 from ..format.chunks import chunk_plan
 from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
+from ..format.kv_scales import KVScale, check_float_dtype, dequantize_array, scales_of, writer_header
 from .tensors import as_numpy, dtype_name, is_torch
 
 
@@ -107,6 +110,34 @@ class KVCache:
     def state(self, layer: int) -> dict:
         """{name: tensor} of a state layer (spec/crossmodel.md); empty for other layers."""
         return self.layers[layer].get("state", {})
+
+    @property
+    def kv_scales(self) -> tuple[KVScale, ...] | None:
+        """Per-layer scales of an fp8 cache (``Header.kv_scales``, spec 5.10); None when unscaled."""
+        return self.header.kv_scales
+
+    def layer_scales(self, layer: int) -> KVScale:
+        """(``k_scale``, ``v_scale``) of a layer's own tensors; 1.0 and 1.0 without ``kv_scales``."""
+        return scales_of(self.header, layer)
+
+    def dequantize_layer(self, layer: int, *, dtype: str = "f32") -> dict:
+        """{component: numpy array} of one layer's values (KVW-SCALE-6): the stored elements times
+        the layer's scales in binary32 (K and LATENT by ``k_scale``, V by ``v_scale``), rounded to
+        ``dtype`` ("f32", "bf16" or "f16"). A state layer's tensors are returned unscaled."""
+        check_float_dtype(dtype)
+        s = self.layer_scales(layer)
+        return {c: ({n: as_numpy(t) for n, t in x.items()} if c == "state" else
+                    dequantize_array(as_numpy(x), s.v_scale if c == "v" else s.k_scale, dtype))
+                for c, x in self.layers[layer].items()}
+
+    def dequantize(self, dtype: str = "f32") -> "KVCache":
+        """The same cache as values of ``dtype`` ("f32", "bf16" or "f16") without scales: what an
+        engine that does not attend in this fp8 format loads (KVW-SCALE-7, crossmodel.md KVW-XM-10).
+        Every K/V/LATENT tensor is ``dequantize_layer``'s; the header loses ``kv_scales`` (its bit
+        and ``format_minor`` follow, KVW-EVOL-12)."""
+        check_float_dtype(dtype)
+        header = writer_header(replace(self.header, dtype=dtype, kv_scales=None))
+        return KVCache(header, [self.dequantize_layer(i, dtype=dtype) for i in range(self.num_layers)])
 
     @property
     def nbytes(self) -> int:

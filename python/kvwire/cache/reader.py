@@ -58,7 +58,10 @@ class ChunkInfo(NamedTuple):
 class Reader:
     """A verified view of one container. Use ``kvwire.open`` to make one."""
 
-    def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, _closer=None, _guard=None):
+    def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, known_header=None,
+                 _closer=None, _guard=None):
+        """``known_header``: ``(header, first_bytes)`` parsed from another copy of this
+        container's first bytes; used when the bytes are the same (``read_header``)."""
         try:
             memoryview(buffer)
         except TypeError:
@@ -70,7 +73,7 @@ class Reader:
         self._readonly = memoryview(buffer).readonly
         self._closer = _closer
         self.size = len(buffer)
-        self.header, hlen = read_header(buffer)
+        self.header, hlen = read_header(buffer, known_header)
         self._header_length = hlen
         table = ChunkTable.of(self.header)
         if table.total > MAX_CHUNKS:

@@ -16,6 +16,9 @@ from .neutral import float_from_json
 CORE_HEADER_FIELDS = ("format_major", "format_minor", "required_features", "optional_features", "dtype",
                       "alignment", "chunk_tokens", "first_position", "token_count", "checksum_algorithm",
                       "layer_tokens", "arch")
+# Fields a decode output MUST report when the twin has them: fp8 elements without their
+# scales are wrong by a factor (spec KVW-SCALE-7).
+CORE_WHEN_PRESENT = ("kv_scales",)
 CORE_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "window", "source_layer")
 # Fields a reader must ignore for a shared layer (KVW-ARCH-7): never compared.
 SHARED_IGNORED = ("window", "uses_rope", "rope", "kv_lora_rank", "qk_rope_head_dim")
@@ -77,7 +80,7 @@ def compare_header(expected: dict, actual, *, ignore=("producer",), require_all:
     for key, want in expected.items():
         if key in ignore:
             continue
-        core = key in CORE_HEADER_FIELDS
+        core = key in CORE_HEADER_FIELDS or key in CORE_WHEN_PRESENT
         if key not in actual:
             missing(key, core)
             continue

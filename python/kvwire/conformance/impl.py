@@ -147,8 +147,11 @@ def cmd_encode(spec_path: str, out_path: str, out=sys.stdout) -> int:
 
 
 def info() -> dict:
+    """The ``info`` answer (PROTOCOL.md 1.2); ``format_versions`` (not a protocol field, which the
+    runner ignores) lists every format revision this implementation reads and writes: 1.0 and 1.1."""
     return {"name": "kvwire-reference", "version": __version__, "protocol": PROTOCOL_VERSION,
-            "commands": list(COMMANDS), "format_versions": [f"{R.FORMAT_MAJOR}.{R.FORMAT_MINOR}"]}
+            "commands": list(COMMANDS),
+            "format_versions": [f"{R.FORMAT_MAJOR}.{m}" for m in range(R.FORMAT_MINOR_IMPLEMENTED + 1)]}
 
 
 USAGE = ("usage: impl decode IN.kvw OUT_DIR | encode SPEC.json OUT.kvw | validate IN.kvw | "

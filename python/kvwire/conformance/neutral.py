@@ -128,6 +128,9 @@ def header_to_json(h: Header) -> dict:
         out["sparse"] = {"method": sp.method, "next_position": sp.next_position,
                          "retained_counts": list(sp.retained_counts), "sink_tokens": sp.sink_tokens,
                          "window_tokens": sp.window_tokens}
+    if getattr(h, "kv_scales", None) is not None:  # spec 5.10 (revision 1.1): reported when present
+        out["kv_scales"] = [{"k_scale": float_to_json(e.k_scale), "v_scale": float_to_json(e.v_scale)}
+                            for e in h.kv_scales]
     if getattr(h, "prefix", None) is not None:  # spec/crossmodel.md: reported when present
         out["prefix"] = {"scheme": h.prefix.scheme, "root": h.prefix.root.hex(), "hashes": h.prefix.hashes.hex()}
     engine = getattr(h, "engine_layout", None)  # informational table (spec 5.9), reported when present
@@ -200,6 +203,9 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
         p = d["prefix"]
         extra["prefix"] = PrefixChain(p.get("scheme", 1), bytes.fromhex(p.get("root", "")),
                                       bytes.fromhex(p.get("hashes", "")))
+    if d.get("kv_scales") is not None:  # spec 5.10 (revision 1.1)
+        extra["kv_scales"] = tuple((float_from_json(e["k_scale"]), float_from_json(e["v_scale"]))
+                                   for e in d["kv_scales"])
     if d.get("engine_layout") is not None:  # only with a codec that knows the table
         from ..format import header as H
 

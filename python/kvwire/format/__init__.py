@@ -9,7 +9,8 @@ spec's sections:
   its engine layout table (5.9); ``architecture``: the architecture schema (6);
   ``fbfields``: the FlatBuffers field helpers these share; and the header parts of the
   companion documents: ``codec_specs`` (spec/codecs.md), ``sparse`` (spec/sparse.md),
-  ``crossmodel`` and ``state`` (spec/crossmodel.md);
+  ``crossmodel`` and ``state`` (spec/crossmodel.md); ``kv_scales``: the per-layer fp8 scales
+  of revision 1.1 (5.10); ``layer_range``: the header of a range of layers;
 - ``layermap``: the layer map (7); ``prefix``: the prefix hash chain (KVW-PREFIX);
 - ``chunks``: the chunk grid, the canonical chunk plan and record checks (8);
 - ``registry``, ``limits``, ``errors``: the registries, limits and error codes (15-18);

@@ -74,8 +74,9 @@ def next_frame_offset(prev_end: int, alignment: int) -> int:
 # Preamble
 # ---------------------------------------------------------------------------------------
 
-def build_preamble(header: bytes) -> bytes:
-    head = _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(header), xxh3(header), 0, 0)
+def build_preamble(header: bytes, minor: int = FORMAT_MINOR) -> bytes:
+    """The preamble of ``header``; ``minor`` is the header's ``format_minor`` (KVW-HDR-9, KVW-EVOL-12)."""
+    head = _PREAMBLE.pack(MAGIC, FORMAT_MAJOR, minor, len(header), xxh3(header), 0, 0)
     return head[:28] + struct.pack("<I", check32(head[:28]))
 
 
@@ -129,10 +130,20 @@ def check_version(header, minor: int) -> None:
                            f"preamble {FORMAT_MAJOR}.{minor}", rule="KVW-HDR-9")
 
 
-def read_header(buf):
+def read_header(buf, known=None):
     """(Header, header length) from the first bytes of a container: preamble, header bytes
-    and version checked; ``TruncatedError.needed`` says how many bytes are missing."""
+    and version checked; ``TruncatedError.needed`` says how many bytes are missing.
+
+    ``known``: ``(header, first_bytes)``, a Header already parsed from another copy of the
+    same object's first bytes (a store reader that checked the header before fetching the
+    object): when this buffer's preamble and header bytes equal those of ``first_bytes``,
+    ``header`` is used and not parsed again (a header is a function of its bytes)."""
     minor, hlen, hsum = parse_preamble(buf)
+    end = PREAMBLE_SIZE + hlen
+    if known is not None and len(known[1]) >= end and len(buf) >= end and \
+            memoryview(buf)[:end] == memoryview(known[1])[:end]:
+        check_version(known[0], minor)
+        return known[0], hlen
     header = parse_header(header_bytes(buf, hlen, hsum))
     check_version(header, minor)
     return header, hlen

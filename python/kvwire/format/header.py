@@ -9,7 +9,8 @@ would reject.
 
 This module holds the header table (5.4-5.8), its header-wide rules and the building and
 parsing that orchestrate the parts with tables of their own: ``architecture`` (6),
-``engine_layout`` (5.9), ``codec_specs``, ``sparse`` and ``crossmodel`` (companion specs).
+``engine_layout`` (5.9), ``kv_scales`` (5.10, revision 1.1), ``codec_specs``, ``sparse``
+and ``crossmodel`` (companion specs).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from .fbfields import SCALAR, enum_name, offset_vector, read_structs
 from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
 from .flatbuf import Buffer
 from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
+from . import kv_scales as KS
+from .kv_scales import KVScale as KVScale
+from .layer_range import layer_slice
 from . import crossmodel as XM
 from .crossmodel import PrefixChain
 from ..version import __version__
@@ -106,10 +110,13 @@ class Header:
     sparse: SparseInfo | None = None  # per-(layer, kv head) token subsets (spec/sparse.md)
     codec_specs: tuple = ()  # CodecSpec pipelines that chunk records name (spec/codecs.md)
     prefix: PrefixChain | None = None  # prefix hash chain (spec/crossmodel.md)
+    kv_scales: tuple[KVScale, ...] | None = None  # 1.1: per-layer fp8 scales; (k, v) pairs accepted (5.10)
 
     def __post_init__(self):
         if self.layer_tokens is None:
             object.__setattr__(self, "layer_tokens", default_layer_tokens(self.arch, self.token_count))
+        if self.kv_scales is not None:
+            object.__setattr__(self, "kv_scales", KS.as_kv_scales(self.kv_scales))
 
     @property
     def num_layers(self) -> int:
@@ -123,6 +130,11 @@ class Header:
         if "token_count" in changes and "layer_tokens" not in changes:
             changes["layer_tokens"] = None
         return replace(self, **changes)
+
+    def layer_slice(self, start: int, stop: int) -> "Header":
+        """The header of layers ``[start, stop)`` alone, every per-layer value (specs, token
+        ranges, ``kv_scales``, per-layer fingerprints) sliced; no layer map (``layer_range``)."""
+        return layer_slice(self, start, stop)
 
 
 def default_layer_tokens(arch: Architecture, token_count: int) -> tuple[TokenRange, ...]:
@@ -176,6 +188,7 @@ def check_header(h: Header) -> None:
     XM.check_fingerprints(h)
     _check_metadata(h.metadata)
     check_codec_specs(h)
+    KS.check_kv_scales(h)
 
 
 def _check_layer_tokens(h: Header) -> None:
@@ -228,8 +241,7 @@ def check_writable(h: Header) -> None:
     reserved = [k for k in h.metadata if k.split(".", 1)[0] == "kvwire"]
     if reserved:
         raise ValueError(f"metadata keys {reserved} use the reserved 'kvwire' namespace (KVW-META-3)")
-    if h.format_minor != R.FORMAT_MINOR:
-        raise ValueError(f"this writer writes format {R.FORMAT_MAJOR}.{R.FORMAT_MINOR}")
+    KS.check_writable(h)  # kv_scales only with its bit (KVW-SCALE-1); format_minor (KVW-EVOL-12)
     # what the reader's FlatBuffers checks refuse (KVW-HDR-7, KVW-LIM-1), refused before it is written
     m, p = h.model, h.producer
     for s in (p.library, p.version, m.model_type, m.model_id, m.revision):
@@ -306,6 +318,7 @@ def build_header(h: Header) -> bytes:
     sparse = build_sparse(b, h.sparse) if h.sparse is not None else None
     codec_specs = build_codec_specs(b, h.codec_specs)
     prefix = XM.build_prefix(b, h.prefix) if h.prefix is not None else None
+    kv_scales = KS.build_kv_scales(b, h.kv_scales)
 
     fbHeader.Start(b)
     fbHeader.AddFormatMajor(b, h.format_major)
@@ -335,6 +348,8 @@ def build_header(h: Header) -> bytes:
         fbHeader.AddCodecSpecs(b, codec_specs)
     if prefix is not None:
         fbHeader.AddPrefix(b, prefix)
+    if kv_scales is not None:
+        fbHeader.AddKvScales(b, kv_scales)
     b.Finish(fbHeader.End(b), file_identifier=HEADER_IDENTIFIER)
     return bytes(b.Output())
 
@@ -390,6 +405,7 @@ def parse_header(data: bytes) -> Header:
         sparse=read_sparse(t.table(19)),
         codec_specs=read_codec_specs(t, t.scalar(2, SCALAR["Q"], 0)),
         prefix=XM.read_prefix(t.table(17)),
+        kv_scales=KS.read_kv_scales(t, t.scalar(2, SCALAR["Q"], 0)),
     )
     check_header(h)
     return h

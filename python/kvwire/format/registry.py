@@ -14,7 +14,8 @@ except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared depende
     raise ImportError("kvwire needs ml_dtypes for bf16/fp8 numpy arrays: pip install ml_dtypes") from exc
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 0  # what a writer writes for a container that uses no feature added after 1.0 (KVW-EVOL-12)
+FORMAT_MINOR_IMPLEMENTED = 1  # the newest revision this codec implements: 1.1 (feature kv_scales)
 
 # DType registry: name -> (code, itemsize, numpy dtype)
 DTYPES: dict[str, tuple[int, int, np.dtype]] = {
@@ -77,7 +78,11 @@ REQUIRED_FEATURES = {
     "codec_specs": 1 << 0,  # ChunkRecord.reserved0 indexes Header.codec_specs (spec/codecs.md)
     "sparse": 1 << 1,  # Header.sparse: per-(layer, head) token subsets (spec/sparse.md)
     "state_layers": 1 << 2,  # LayerKind STATE / Component STATE (spec/crossmodel.md)
+    "kv_scales": 1 << 3,  # revision 1.1: Header.kv_scales, per-layer fp8 scales (spec section 5.10)
 }
+# The minor version that defines each feature (section 20.8, "Since"): a writer writes the
+# largest one among the features a container uses as format_minor (KVW-EVOL-12).
+FEATURE_MINOR = {"codec_specs": 0, "sparse": 0, "state_layers": 0, "kv_scales": 1}
 
 # Codes that a feature registers: outside containers that set the feature's required bit
 # they are out of range, exactly as in a v1.0 container (KVW-EVOL-9).
@@ -99,9 +104,10 @@ def enabled_codes(registry: str, required_features: int) -> np.ndarray:
     return out
 
 
-# Required-feature bits this reader implements (spec: "Feature registry"). v1.0 defines none.
+# Required-feature bits this reader implements (spec: "Feature registry"): those of 1.0 and
+# revision 1.1's kv_scales. A reader without a bit rejects its containers (KVW-EVOL-3).
 KNOWN_REQUIRED_FEATURES = (0 | REQUIRED_FEATURES["sparse"] | REQUIRED_FEATURES["codec_specs"]
-                           | REQUIRED_FEATURES["state_layers"])
+                           | REQUIRED_FEATURES["state_layers"] | REQUIRED_FEATURES["kv_scales"])
 KNOWN_OPTIONAL_FEATURES = 0
 # ChunkRecord.flags: bits 0-7 optional (ignored when unknown), bits 8-15 required.
 KNOWN_REQUIRED_CHUNK_FLAGS = 0

@@ -19,8 +19,10 @@ blocks, leaving at least one token to compute; ``build_connector_meta`` hands th
 ``KVWireMetadata`` of loads (tokens and block ids) and saves (whole chunks that this step
 completes and that were not loaded). Worker side: ``register_kv_caches`` takes vLLM's
 standardised per-layer view ``[num_blocks, heads, block_size, 2 * head_dim]``; loads are
-done in ``start_load_kv`` before the forward pass (each chunk's checksums verified), and a
-chunk that fails (missing, evicted, corrupted, store down) reports its blocks through
+read layer by layer (``LayerPipeline``: a thread opens the step's chunk objects and fetches
+and decodes one layer at a time, one or two layers ahead of the forward pass, each chunk's
+checksums verified; ``wait_for_layer_load`` scatters the ready layer into the paged buffer
+just before its attention runs), and a chunk that fails (missing, evicted, corrupted, store down) reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them: a failed load costs time, never
 wrong tokens (set ``kv_load_failure_policy: "recompute"``; vLLM's default fails the
 request). ``save_kv_layer`` gathers each layer's slots of the chunks to save;
@@ -28,7 +30,11 @@ request). ``save_kv_layer`` gathers each layer's slots of the chunks to save;
 
 Extra config: ``store`` (a ``kvwire.store`` URL, default ``file://`` + a temporary
 directory), ``chunk_tokens`` (256), ``codec`` ("raw"; "zstd", or a lossy preset such as
-"int8"), ``timeout`` (store call timeout, seconds), ``model_fingerprint`` (hex; instead of
+"int8"), ``timeout`` (store call timeout, seconds), ``layerwise`` (true; false loads every
+layer in ``start_load_kv``), ``prefetch_layers`` (2: layers read ahead), ``save_partial``
+(true: the prompt's trailing partial chunk is stored and matched too, so an exact repeat of
+a prompt loads all but its last block, like vLLM's ExampleConnector; false: whole chunks
+only), ``model_fingerprint`` (hex; instead of
 hashing the model's safetensors), ``stats_path`` (files ``<stats_path>.scheduler.json`` and
 ``<stats_path>.worker.json``, rewritten with each side's counters when they change).
 """
@@ -39,7 +45,7 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,24 +53,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..adapters.hf_model import arch_from_config
-from ..model.compat import LocalModel
+from ..model.compat import LocalModel, check_compatible
+from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, open_store
+from .vllm_engine import engine_layout_of, kv_packing, layer_scales_of, model_config_json, platform_fp8
+from .vllm_pipeline import LayerPipeline, same_scales
 from .vllm_plan import (
-    LoadSpec, ModelKey, RequestState, SaveSpec, chunk_cache, chunks_to_save, dtype_of, gather_layer, layer_index,
-    matched_tokens, scatter_layer, slots,
+    FP8_TORCH, LoadSpec, ModelKey, RequestState, SaveSpec, cache_dtype_of, chunk_cache, chunks_to_save, gather_layer,
+    layer_index, matched_tokens, scatter_layer, slots, tail_to_save,
 )
 
 log = logging.getLogger("kvwire.vllm")
-
-
-def model_config_json(model_dir: str) -> dict:
-    """The model's config.json as written (its canonical JSON is the config fingerprint)."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
 
 @dataclass
 class KVWireMetadata(KVConnectorMetadata):
@@ -82,30 +81,44 @@ class KVWireConnector(KVConnectorBase_V1):
             raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of vLLM's block_size "
                              f"{self.block_size}")
         self.codec = extra.get("codec", "raw")
+        self.layerwise = extra.get("layerwise", True)
+        self.save_partial = extra.get("save_partial", True)
+        if not isinstance(self.save_partial, bool):
+            raise ValueError(f"save_partial must be true or false, not {self.save_partial!r}")
+        self.depth = extra.get("prefetch_layers", 2)
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be true or false, not {self.layerwise!r}")
+        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
+            raise ValueError(f"prefetch_layers (layers read ahead of the forward pass) must be an int >= 1, "
+                             f"not {self.depth!r}")
         url = extra.get("store") or "file://" + os.path.join(tempfile.gettempdir(), "kvwire-store")
         options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith(("file:", "memory:")) else {}
         self.store_url, self.stats_path = url, extra.get("stats_path")
+        self.load_timeout = max(30.0, 4 * float(extra.get("timeout", 5.0)))
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        if cache_dtype not in ("auto", None):
-            raise ValueError(f"KVWireConnector: kv_cache_dtype={cache_dtype!r} is not supported yet (only 'auto', "
-                             "the model's dtype)")
+        dtype = cache_dtype_of(mc.dtype, vllm_config.cache_config.cache_dtype, platform_fp8())
+        self.fp8 = dtype in FP8_TORCH  # uint8 buffers of fp8 elements with per-layer scales (KVW-SCALE-*)
         hf = mc.hf_config
         self.arch = arch_from_config(hf)
-        self.key = ModelKey.of(self.arch, dtype_of(mc.dtype), mc.model, chunk_tokens=self.chunk_tokens,
+        self.key = ModelKey.of(self.arch, dtype, mc.model, chunk_tokens=self.chunk_tokens,
                                codec=self.codec, tp_rank=getattr(pc, "rank", 0) % max(1, pc.tensor_parallel_size),
                                tp_size=pc.tensor_parallel_size, config=model_config_json(mc.model),
                                fingerprint=extra.get("model_fingerprint"))
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
         self.kv = KVStore(open_store(url, **options))
         self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,
-                           saved_chunks=0, save_errors=0, skipped_chunks=0)
+                           saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0)
         # scheduler side
         self._reqs: dict[str, RequestState] = {}
         self._pending_load: dict[str, tuple[int, int]] = {}
         # worker side
         self._layers: dict[str, Any] = {}
         self._order: list[str] = []
+        self._index: dict[str, int] = {}
+        self.engine_layout = None
+        self._packing: list[str] = []
+        self._pipe: LayerPipeline | None = None
+        self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()
         log.info("kvwire connector (%s): store %s, chunks of %d tokens, codec %s, key root %s", role, url,
@@ -116,7 +129,12 @@ class KVWireConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         self.counts["lookups"] += 1
         try:
-            hit = self.kv.lookup(prompt, self.key.space, local=self.local)
+            hit = self.kv.lookup(prompt, self.key.space, local=None if self.fp8 else self.local,
+                                 partial=self.save_partial)
+            if self.fp8 and hit.header is not None:  # the scheduler holds no attention layers, hence no scales:
+                # it checks the rest, and the workers requantize chunks stored with other scales (KVW-SCALE-7)
+                if not check_compatible(hit.header, replace(self.local, kv_scales=hit.header.kv_scales)):
+                    hit = replace(hit, chunks=0, tokens=0)
         except StoreError as exc:  # the store is down: no hit, vLLM computes
             self.counts["lookup_errors"] += 1
             log.warning("kvwire lookup failed, treating as a miss: %s", exc)
@@ -145,6 +163,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 meta.loads.append(LoadSpec(new.req_id, prompt[:-(-stop // C) * C], start, stop, st.block_ids))
                 self.counts["matched_tokens"] += stop - start
                 st.saved = stop // C  # chunks that came from the store are there already
+                st.tail_saved = stop > len(prompt) // C * C  # the load used the stored partial chunk
             self._plan_save(meta, st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -155,16 +174,23 @@ class KVWireConnector(KVConnectorBase_V1):
             if ids is not None:
                 st.block_ids = list(ids[0]) if req_id in cached.resumed_req_ids else st.block_ids + list(ids[0])
             done = cached.num_computed_tokens[i]
-            if done < st.saved * C:  # vLLM rolled back to recompute blocks a load failed on: save them again
-                st.saved = done // C
+            if done < st.saved * C or (st.tail_saved and done < len(st.prompt)):
+                st.saved = min(st.saved, done // C)  # vLLM rolled back to recompute blocks a load failed on:
+                st.tail_saved = False  # save them again
             self._plan_save(meta, st, req_id, done + scheduler_output.num_scheduled_tokens[req_id])
         return meta
 
     def _plan_save(self, meta, st: RequestState, req_id: str, computed_after: int) -> None:
-        span = chunks_to_save(st, computed_after, self.chunk_tokens)
-        if span is not None:
-            meta.saves.append(SaveSpec(req_id, st.prompt[:span[1] * self.chunk_tokens], span[0], span[1],
-                                       list(st.block_ids)))
+        C = self.chunk_tokens
+        span = chunks_to_save(st, computed_after, C)
+        tail = tail_to_save(st, computed_after, C) if self.save_partial else None
+        if span is None and tail is None:
+            return
+        first = span[0] if span is not None else tail
+        if tail is not None:
+            meta.saves.append(SaveSpec(req_id, list(st.prompt), first, tail + 1, list(st.block_ids), partial=True))
+        else:
+            meta.saves.append(SaveSpec(req_id, st.prompt[:span[1] * C], first, span[1], list(st.block_ids)))
 
     def request_finished(self, request, block_ids):
         self._reqs.pop(request.request_id, None)
@@ -175,6 +201,7 @@ class KVWireConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict):
         self._layers = dict(kv_caches)
         self._order = sorted(kv_caches, key=layer_index)
+        self._index = {name: i for i, name in enumerate(self._order)}
         if len(self._order) != self.arch.num_layers:
             raise ValueError(f"vLLM handed {len(self._order)} attention layers, the model config has "
                              f"{self.arch.num_layers}")
@@ -184,15 +211,34 @@ class KVWireConnector(KVConnectorBase_V1):
             if t.dim() != 4 or t.shape[2] != self.block_size or t.shape[3] != want_c or t.shape[1] != spec.num_kv_heads:
                 raise ValueError(f"{name}: KV buffer {tuple(t.shape)} is not vLLM 0.32's [blocks, {spec.num_kv_heads} "
                                  f"heads, {self.block_size} tokens, {want_c} channels] view")
+        self._packing = [kv_packing(self._vllm_config, name, spec, self.block_size)
+                         for name, spec in zip(self._order, self.arch.layers)]
+        self.engine_layout = engine_layout_of(self._vllm_config, self._order, [kv_caches[n] for n in self._order],
+                                              self.arch, self.block_size)
+
+    def _scales(self):
+        """The per-layer (k_scale, v_scale) of an fp8 cache (None otherwise), read when used:
+        vLLM may compute them at the first forward pass."""
+        return layer_scales_of(self._vllm_config, self._order, self.arch) if self.fp8 else None
 
     def _mla(self, i: int) -> bool:
         return self.arch.layers[i].kind == "mla_latent"
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        if self.layerwise:  # read layer by layer in a thread, a layer or two ahead of the forward pass
+            C = self.chunk_tokens
+            self._piped = list(meta.loads)
+            self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C))
+                                                                 for s in self._piped],
+                                       self.arch.num_layers, depth=self.depth, timeout=self.load_timeout,
+                                       kv_scales=self._scales())
+            return
         for spec in meta.loads:
             self._load(spec)
-        self._write_stats(bool(meta.loads))
+        self._write_stats(True)
 
     def _load(self, spec: LoadSpec) -> None:
         C = self.chunk_tokens
@@ -202,11 +248,21 @@ class KVWireConnector(KVConnectorBase_V1):
             log.warning("kvwire load of %s failed, vLLM recomputes: %s", spec.req_id, exc)
             got = None
         served = 0 if got is None or got.cache is None else min(got.tokens, spec.stop)
+        if served and not same_scales(got.cache.header, self._scales()):  # requantized to ours (KVW-SCALE-7)
+            got = replace(got, cache=rescale_cache(got.cache, self._scales()))
+            self.counts["rescaled_loads"] += 1
         if served > spec.start:
             ids = slots(spec.block_ids, self.block_size, spec.start, served)
             for i, name in enumerate(self._order):
                 layer = {c: x[:, spec.start:served] for c, x in got.cache.layers[i].items()}
-                scatter_layer(self._layers[name], ids, layer, self.arch.layers[i].head_dim_k, self._mla(i))
+                scatter_layer(self._layers[name], ids, layer, self.arch.layers[i].head_dim_k, self._mla(i),
+                              self._packing[i])
+        self._loaded(spec, served)
+
+    def _loaded(self, spec: LoadSpec, served: int) -> None:
+        """Count a load that put tokens [start, served) in place; vLLM recomputes the rest."""
+        served = min(served, spec.stop)
+        if served > spec.start:
             self.counts["loaded_tokens"] += served - spec.start
         if served < spec.stop:  # vLLM recomputes these blocks (kv_load_failure_policy "recompute")
             first = max(served, spec.start) // self.block_size
@@ -214,31 +270,55 @@ class KVWireConnector(KVConnectorBase_V1):
             self.counts["load_failed_tokens"] += spec.stop - max(served, spec.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load completes in start_load_kv
+        if self._pipe is None:
+            return  # no load this step, or every load completed in start_load_kv
+        i = self._index[layer_name]
+        try:
+            for spec, arrays in zip(self._piped, self._pipe.wait(i)):
+                n = 0 if arrays is None else min(next(iter(arrays.values())).shape[1], spec.stop)
+                if n > spec.start:
+                    ids = slots(spec.block_ids, self.block_size, spec.start, n)
+                    scatter_layer(self._layers[layer_name], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
+                                  self.arch.layers[i].head_dim_k, self._mla(i), self._packing[i])
+        finally:
+            self._pipe.done(i)
+
+    def _finish_loads(self) -> None:
+        """After the forward pass: the tokens every layer got, and load errors for the rest."""
+        if self._pipe is None:
+            return
+        pipe, self._pipe = self._pipe, None
+        self.counts["rescaled_loads"] += pipe.rescaled
+        for spec, served in zip(self._piped, pipe.close()):
+            self._loaded(spec, served)
+        self._piped = []
+        self._write_stats(True)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         meta = self._get_connector_metadata()
         if not meta.saves:
             return
-        i = self._order.index(layer_name)
+        i = self._index[layer_name]
         C = self.chunk_tokens
         for spec in meta.saves:
-            ids = slots(spec.block_ids, self.block_size, spec.first * C, spec.stop * C)
+            ids = slots(spec.block_ids, self.block_size, *spec.token_range(C))
             self._gathered.setdefault(spec.req_id, {})[i] = gather_layer(
-                kv_layer, ids, self.arch.layers[i].head_dim_k, self._mla(i))
+                kv_layer, ids, self.arch.layers[i].head_dim_k, self._mla(i), self._packing[i])
 
     def wait_for_save(self):
+        self._finish_loads()
         meta = self._get_connector_metadata()
         C = self.chunk_tokens
         for spec in meta.saves:
             layers = self._gathered.pop(spec.req_id, {})
             if len(layers) != self.arch.num_layers:
                 continue  # no forward ran for it this step
-            cache = chunk_cache(self.key, [layers[i] for i in range(self.arch.num_layers)], spec.first * C,
-                                (spec.stop - spec.first) * C)
+            a, b = spec.token_range(C)
+            cache = chunk_cache(self.key, [layers[i] for i in range(self.arch.num_layers)], a, b - a,
+                                self.engine_layout, self._scales())
             try:
                 res = self.kv.put_cache(cache, spec.tokens, codec=self.codec, tp_rank=self.key.space.tp_rank,
-                                        tp_size=self.key.space.tp_size)
+                                        tp_size=self.key.space.tp_size, partial=spec.partial)
                 self.counts["saved_chunks"] += res.written
                 self.counts["skipped_chunks"] += res.skipped
             except StoreError as exc:  # a lost save is a later miss, never an error for the request

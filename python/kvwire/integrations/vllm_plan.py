@@ -104,13 +104,19 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save whole chunks [first, stop) (of ``chunk_tokens``) of ``tokens`` from the blocks."""
+    """Save chunks [first, stop) (of ``chunk_tokens``) of ``tokens`` from the blocks: whole
+    chunks, and with ``partial`` the prompt's trailing partial chunk as the last one
+    (``tokens`` is then the whole prompt)."""
 
     req_id: str
     tokens: list
     first: int
     stop: int
     block_ids: list
+    partial: bool = False
+
+    def token_range(self, chunk_tokens: int) -> tuple[int, int]:
+        return self.first * chunk_tokens, min(self.stop * chunk_tokens, len(self.tokens))
 
 
 @dataclass
@@ -118,6 +124,7 @@ class RequestState:
     prompt: list
     block_ids: list = field(default_factory=list)
     saved: int = 0  # chunks already saved, loaded or planned
+    tail_saved: bool = False  # the trailing partial chunk: saved, loaded or planned
 
 
 def matched_tokens(hit_tokens: int, prompt_len: int, num_computed: int, block_size: int) -> int:
@@ -138,6 +145,17 @@ def chunks_to_save(state: RequestState, computed_after: int, chunk_tokens: int) 
     return first, stop
 
 
+def tail_to_save(state: RequestState, computed_after: int, chunk_tokens: int) -> int | None:
+    """The chunk index of the prompt's trailing partial chunk once the whole prompt is
+    computed and every whole chunk before it is saved (``chunks_to_save`` first), once; None
+    when the prompt has no partial chunk or it is done (KVW-STORE-11, "partial")."""
+    n = len(state.prompt)
+    if n % chunk_tokens == 0 or state.tail_saved or computed_after < n or state.saved < n // chunk_tokens:
+        return None
+    state.tail_saved = True
+    return n // chunk_tokens
+
+
 def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
     """The paged slots (block * block_size + offset) of tokens [start, stop)."""
     t = np.arange(start, stop, dtype=np.int64)
@@ -149,53 +167,132 @@ def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
 
 # -- copies between the paged view and the standard layout -----------------------------------
 
-def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool):
-    """{component: [heads, tokens, dim]} torch copies of the slots of one layer's paged view."""
+PACKINGS = ("channels", "cpu_vec")
+
+
+def check_packing(packing: str) -> str:
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {PACKINGS} (how the attention backend keeps K and V in its "
+                         f"view), not {packing!r}")
+    return packing
+
+
+def cpu_vec_views(kv_layer):
+    """(K, V) as vLLM's CPU backend with the "vec"/"vec16" kernels keeps them in the
+    [blocks, heads, block_size, 2 * D] view: per block and head, K transposed ([D, block_size])
+    then V ([block_size, D]); measured through its ``cpu_attn_reshape_and_cache`` op."""
+    b, h, n, c = kv_layer.shape
+    t = kv_layer.view(b, h, 2, n * (c // 2))
+    return t[:, :, 0].view(b, h, c // 2, n), t[:, :, 1].view(b, h, n, c // 2)
+
+
+def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool, packing: str = "channels"):
+    """{component: [heads, tokens, dim]} torch copies of the slots of one layer's paged view.
+
+    ``packing``: how the backend keeps K and V in the view: "channels" (K = C[:head_dim],
+    V = C[head_dim:] of each token row: FlashAttention, Triton, FlashInfer, Flex) or
+    "cpu_vec" (the CPU backend's vec kernels: ``cpu_vec_views``)."""
     import torch
 
     n = kv_layer.shape[2]
-    idx = torch.from_numpy(slot_ids)
-    x = kv_layer[idx // n, :, idx % n]  # [tokens, heads, C]: one gather copy
+    idx = torch.from_numpy(slot_ids).to(kv_layer.device)
+    blocks, offs = idx // n, idx % n
+    if not mla and check_packing(packing) == "cpu_vec":
+        kt, v = cpu_vec_views(kv_layer)
+        return {"k": kt[blocks, :, :, offs].permute(1, 0, 2).contiguous(),  # [tokens, heads, D] -> [heads, tokens, D]
+                "v": v[blocks, :, offs].permute(1, 0, 2).contiguous()}
+    x = kv_layer[blocks, :, offs]  # [tokens, heads, C]: one gather copy (on the buffer's device)
     if mla:
         return {"latent": x.permute(1, 0, 2).contiguous()}
     return {"k": x[..., :head_dim].permute(1, 0, 2).contiguous(), "v": x[..., head_dim:].permute(1, 0, 2).contiguous()}
 
 
-def scatter_layer(kv_layer, slot_ids: np.ndarray, arrays: dict, head_dim: int, mla: bool) -> None:
-    """Write {component: [heads, tokens, dim]} arrays into the slots of a paged view."""
+def scatter_layer(kv_layer, slot_ids: np.ndarray, arrays: dict, head_dim: int, mla: bool,
+                  packing: str = "channels") -> None:
+    """Write {component: [heads, tokens, dim]} arrays into the slots of a paged view
+    (``packing``: see ``gather_layer``)."""
     import torch
 
     n = kv_layer.shape[2]
-    idx = torch.from_numpy(slot_ids)
+    dev = kv_layer.device
+    idx = torch.from_numpy(slot_ids).to(dev)
     blocks, offs = idx // n, idx % n
 
-    def tensor(a):
+    def tensor(a):  # [tokens, heads, dim] on the buffer's device: one host-to-device copy on a GPU
+        if isinstance(a, torch.Tensor) and a.device == dev:
+            return a.view(kv_layer.dtype).permute(1, 0, 2)
         a = as_numpy(a)
-        return torch.from_numpy(np.ascontiguousarray(as_uint(a))).view(kv_layer.dtype).permute(1, 0, 2)
+        t = torch.from_numpy(np.ascontiguousarray(as_uint(a))).view(kv_layer.dtype)
+        return t.to(dev).permute(1, 0, 2)
 
     if mla:
         kv_layer[blocks, :, offs] = tensor(arrays["latent"])
+        return
+    if check_packing(packing) == "cpu_vec":
+        kt, v = cpu_vec_views(kv_layer)
+        kt[blocks, :, :, offs] = tensor(arrays["k"])
+        v[blocks, :, offs] = tensor(arrays["v"])
         return
     kv_layer[blocks, :, offs, :head_dim] = tensor(arrays["k"])
     kv_layer[blocks, :, offs, head_dim:] = tensor(arrays["v"])
 
 
-def chunk_cache(key: ModelKey, layers: list, first_token: int, count: int) -> KVCache:
-    """A KVCache of tokens [first_token, first_token + count) from gathered layers."""
+def chunk_cache(key: ModelKey, layers: list, first_token: int, count: int, engine_layout=None,
+                kv_scales=None) -> KVCache:
+    """A KVCache of tokens [first_token, first_token + count) from gathered layers
+    (``engine_layout``: the ``EngineLayout`` they were gathered from, informational;
+    ``kv_scales``: an fp8 cache's per-layer (k_scale, v_scale), kvwire-v1.md KVW-SCALE-*).
+    Gathered uint8 tensors of an fp8 cache are viewed as its fp8 dtype."""
     h = Header(arch=key.arch, token_count=count, dtype=key.dtype, first_position=first_token,
                layer_tokens=tuple(TokenRange(first_token, count) for _ in range(key.arch.num_layers)),
-               chunk_tokens=key.space.chunk_tokens, model=key.identity)
+               chunk_tokens=key.space.chunk_tokens, model=key.identity, engine_layout=engine_layout,
+               kv_scales=kv_scales)
+    if key.dtype in FP8_TORCH:
+        import torch
+
+        fp8 = getattr(torch, FP8_TORCH[key.dtype])
+        layers = [{c: x.view(fp8) if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
+                   for c, x in layer.items()} for layer in layers]
     return KVCache(h, layers)
 
 
 def dtype_of(torch_dtype_obj) -> str:
     name = str(torch_dtype_obj)
     if name not in TORCH_DTYPES:
-        raise ValueError(f"the kvwire connector stores {', '.join(TORCH_DTYPES.values())} KV caches, not {name} "
-                         "(fp8 KV caches are not supported yet)")
+        raise ValueError(f"the kvwire connector stores {', '.join(TORCH_DTYPES.values())} KV caches (and fp8 "
+                         f"ones, kv_cache_dtype 'fp8'), not {name}")
     return TORCH_DTYPES[name]
 
 
-__all__ = ["LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache", "chunks_to_save", "dtype_of",
+# vLLM's kv_cache_dtype -> kvwire dtype (vllm/utils/torch_utils.py STR_DTYPE_TO_TORCH_DTYPE: fp8 caches are
+# uint8 tensors holding OCP fp8 elements; "fp8" is the platform's fp8, e4m3fn, or e4m3fnuz on ROCm).
+CACHE_DTYPES = {"fp8_e4m3": "f8_e4m3fn", "fp8_e5m2": "f8_e5m2", "bfloat16": "bf16", "float16": "f16",
+                "half": "f16", "float32": "f32", "float": "f32"}
+FP8_TORCH = {"f8_e4m3fn": "float8_e4m3fn", "f8_e5m2": "float8_e5m2", "f8_e4m3fnuz": "float8_e4m3fnuz"}
+
+
+def cache_dtype_of(model_dtype, cache_dtype, platform_fp8: str = "f8_e4m3fn") -> str:
+    """The kvwire dtype of vLLM's KV cache: the model's for "auto", the fp8 format for "fp8"
+    ("fp8" is ``platform_fp8``: vLLM's ``current_platform.fp8_dtype()``), "fp8_e4m3",
+    "fp8_e5m2"; other quantised caches (per-token-head scales, nvfp4, int8) are refused."""
+    if cache_dtype in (None, "auto"):
+        return dtype_of(model_dtype)
+    if cache_dtype == "fp8":
+        return platform_fp8
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r}: the kvwire connector stores 'auto', 'fp8', "
+                         f"{', '.join(repr(k) for k in CACHE_DTYPES)} caches (per-layer scales); per-token or "
+                         "per-head scaled and packed formats are not supported")
+    return CACHE_DTYPES[cache_dtype]
+
+
+def layer_scales(k_scale: float, v_scale: float, mla: bool) -> tuple[float, float]:
+    """One layer's (k_scale, v_scale) for a header: an MLA latent is scaled by k_scale and
+    its unused v_scale is 1.0 (KVW-SCALE-5)."""
+    return float(k_scale), 1.0 if mla else float(v_scale)
+
+
+__all__ = ["CACHE_DTYPES", "FP8_TORCH", "PACKINGS", "cache_dtype_of", "check_packing", "cpu_vec_views",
+           "layer_scales", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache", "chunks_to_save", "dtype_of",
            "files_digest", "gather_layer", "layer_index", "matched_tokens", "model_weights_fingerprint",
-           "scatter_layer", "slots"]
+           "scatter_layer", "slots", "tail_to_save"]

@@ -26,11 +26,12 @@ import numpy as np
 from ..cache.cuda import int_view
 from ..cache.tensors import dtype_name
 from ..format.header import EngineLayout, Header
+from .ambiguity import needed_hints
 from .descriptor import LayoutDescriptor, get_layout
 from .gathering import GatherMixin
 from .scattering import ScatterMixin
 
-__all__ = ["EngineBuffers", "LayerGeometry", "LayoutMismatchError", "bind"]
+__all__ = ["EngineBuffers", "LayerGeometry", "LayoutMismatchError", "bind", "follows"]
 
 
 class LayoutMismatchError(ValueError):
@@ -58,7 +59,7 @@ class LayerGeometry:
         return f"{self.heads} KV heads x head_dim {dims}"
 
 
-def _follows(t, order) -> bool:
+def follows(t, order) -> bool:
     """Do ``t``'s strides put its dimensions in memory in ``order`` (outermost first)?"""
     dims = [d for d in order if t.shape[d] > 1]
     return all(t.stride(a) >= t.stride(b) * t.shape[b] for a, b in zip(dims, dims[1:]))
@@ -99,16 +100,20 @@ class EngineBuffers(GatherMixin, ScatterMixin):
     per run on the CPU; True/False forces one (tests exercise both on the CPU).
 
     ``num_heads`` / ``head_dim``: needed where the layout merges heads and channels
-    (LMCache ``H*C``, Dynamo ``inner``) and the tensor alone cannot tell them apart;
-    elsewhere, like ``block_size``, they are checked when given (a cheap guard against a
-    wrong layout name when two layouts have the same shape). For token-slot layouts
-    ``block_size`` is the engine's page size, recorded in the header only.
+    (LMCache ``H*C``, Dynamo ``inner``) and the tensor alone cannot tell them apart.
+    ``block_size`` / ``num_heads`` / ``num_layers``: required where another registered
+    layout reads a tensor of this shape and memory order with those axes exchanged (a
+    contiguous 5-D vLLM tensor is NHD or a raw HND buffer; ``ambiguity.needed_hints``),
+    refused with ``LayoutMismatchError`` naming them when missing (KVW-BIND-1); every hint
+    given is checked against the buffers. For token-slot layouts ``block_size`` is the
+    engine's page size, recorded in the header only.
     ``kv_lora_rank`` (MLA): how the latent splits into nope and rope parts, for headers.
     ``engine``: free text recorded in the header (e.g. ``"vllm/0.9.2"``).
     """
 
     def __init__(self, layout, buffers, *, num_heads: int | None = None, head_dim: int | None = None,
-                 block_size: int | None = None, kv_lora_rank: int | None = None, engine: str = ""):
+                 block_size: int | None = None, num_layers: int | None = None, kv_lora_rank: int | None = None,
+                 engine: str = ""):
         import torch
 
         self.layout = desc = get_layout(layout)
@@ -116,6 +121,7 @@ class EngineBuffers(GatherMixin, ScatterMixin):
         self.indexed_copies: bool | None = None
         self.kv_lora_rank = kv_lora_rank
         self._sizes = {"H": num_heads, "C": head_dim}
+        self._hints = {"block_size": block_size, "num_heads": num_heads, "num_layers": num_layers}
         parts = _tensors_of(desc, buffers)
         self.tensors = parts
         views: list[dict] = []
@@ -159,6 +165,7 @@ class EngineBuffers(GatherMixin, ScatterMixin):
         self.page_size = block_size if desc.addressing == "slot" else None  # recorded in the header only
         for what, want, have in (("block_size", None if self.page_size else block_size, self.block_size),
                                  ("num_heads", num_heads, {g.heads for g in geo if not g.mla}),
+                                 ("num_layers", num_layers, len(geo)),
                                  ("head_dim", head_dim, {g.dim_k for g in geo})):
             if want is not None and have not in (want, {want}, set()):
                 raise LayoutMismatchError(f"{desc.name}: the buffers give {what} {have}, the caller said {want}: "
@@ -171,20 +178,24 @@ class EngineBuffers(GatherMixin, ScatterMixin):
         """``t`` as a view with the layout's axes, merged dimensions split: (tensor, names)."""
         desc = self.layout
         n = len(desc.dims)
+        if desc.engine_view and t.ndim == len(desc.engine_view.split(",")) != n:
+            t = self._from_engine_view(t, what)
         if t.ndim != n:
             raise LayoutMismatchError(f"{desc.name}: {what} has {t.ndim} dimensions {tuple(t.shape)}, the layout "
                                       f"has {n} [{desc.axes}]")
         order = desc.stride_order
         ident = tuple(range(n))
-        if _follows(t, order):
+        raw = False
+        if follows(t, order):
             pass  # the engine's view: shape in dims order, memory in stride order
-        elif order != ident and _follows(t, ident):  # the raw allocation, shape in memory order
-            t = t.permute(*[order.index(i) for i in range(n)])
+        elif order != ident and follows(t, ident):  # the raw allocation, shape in memory order
+            t, raw = t.permute(*[order.index(i) for i in range(n)]), True
         else:
             raise LayoutMismatchError(
                 f"{desc.name}: {what} of shape {tuple(t.shape)} has strides {tuple(t.stride())}, which do not put "
                 f"its dimensions in memory as [{desc.physical_axes}] (neither as the engine's view [{desc.axes}] "
                 "nor as the raw allocation): wrong layout name?")
+        self._check_hints(raw, t if not raw else t.permute(*order), what)
         names: list[str] = []
         dim = 0
         for group in desc.dims:
@@ -197,6 +208,38 @@ class EngineBuffers(GatherMixin, ScatterMixin):
             t = t.unsqueeze(c)
             names.insert(c, "H")
         return t, names
+
+    def _from_engine_view(self, t, what: str):
+        """The engine's own view (``engine_view``, e.g. vLLM's [B, H, N, 2*C] CPU view) as
+        the layout's dims: the same memory, read as the engine's kernels read it (the view
+        must be dense from its first reinterpreted dimension on, as the engine's ``view`` needs)."""
+        desc = self.layout
+        view = desc.engine_view.split(",")
+        sizes = {v.removeprefix("2*"): t.shape[i] // (2 if v.startswith("2*") else 1) for i, v in enumerate(view)}
+        doubled = [i for i, v in enumerate(view) if v.startswith("2*")]
+        if any(t.shape[i] % 2 for i in doubled):
+            raise LayoutMismatchError(f"{desc.name}: {what} {tuple(t.shape)} is not [{desc.engine_view}]: "
+                                      "an odd size where K and V share a dimension")
+        shape = [2 if d == ("KV",) else math.prod(sizes[a] for a in d) for d in desc.dims]
+        try:
+            return t.view(shape)
+        except RuntimeError:
+            raise LayoutMismatchError(
+                f"{desc.name}: {what} of shape {tuple(t.shape)} and strides {tuple(t.stride())} cannot be read as "
+                f"[{desc.axes}] (the engine's [{desc.engine_view}] view with dense rows): wrong layout name?") from None
+
+    def _check_hints(self, raw: bool, t, what: str) -> None:
+        """KVW-BIND-1: refuse a tensor that other registered layouts read with exchanged
+        axes unless the caller gave the sizes that tell them apart."""
+        need = needed_hints(self.layout, raw)
+        missing = [k for k in self._hints if k in need and self._hints[k] is None]  # block_size, num_heads, ...
+        if missing:
+            others = sorted({n for k in missing for n in need[k]})
+            form = "raw allocation" if raw else "view"
+            raise LayoutMismatchError(
+                f"{self.layout.name}: {what} {tuple(t.shape)} (as the {form}) fits {', '.join(others)} too, "
+                f"with its dimensions read as other axes, and its sizes cannot say which: pass "
+                f"{' and '.join(k + '=' for k in missing)} (KVW-BIND-1)")
 
     def _split(self, group, size: int, what: str) -> tuple[int, ...]:
         known = {a: (2 if a == "KV" else self._sizes.get(a)) for a in group}
@@ -229,8 +272,30 @@ class EngineBuffers(GatherMixin, ScatterMixin):
             rest = names[:kv] + names[kv + 1 :]
             if want == 1:
                 return {"latent": self._order(t.select(kv, 0), rest)}
-            return {"k": self._order(t.select(kv, 0), rest), "v": self._order(t.select(kv, 1), rest)}
+            return {c: self._order(self._restride(t.select(kv, i), c, kv, what), rest)
+                    for i, c in enumerate(("k", "v"))}
         return {"latent": self._order(t, names)}
+
+    def _restride(self, x, comp: str, kv: int, what: str):
+        """One component (KV selected) with its own memory order (``component_order``): the
+        component's dims after KV lie densely in that order instead of the tensor's."""
+        desc = self.layout
+        order = desc.order_of(comp)
+        if order == desc.stride_order:
+            return x
+        if len(desc.dims) != x.ndim + 1 or any(len(d) > 1 for d in desc.dims):
+            raise LayoutMismatchError(f"{desc.name}: component_order needs unmerged dims")
+        inner = [d - (d > kv) for d in order[order.index(kv) + 1 :]]  # dims of x, outermost first in memory
+        dense = [d - (d > kv) for d in desc.stride_order[desc.stride_order.index(kv) + 1 :]]
+        stride, want = 1, {}
+        for d in reversed(dense):
+            want[d], stride = stride * x.stride(dense[-1]), stride * x.shape[d]
+        if any(x.stride(d) != want[d] for d in dense if x.shape[d] > 1):
+            raise LayoutMismatchError(f"{desc.name}: {what} {comp.upper()} is not dense inside a block")
+        strides, acc = list(x.stride()), x.stride(dense[-1])
+        for d in reversed(inner):
+            strides[d], acc = acc, acc * x.shape[d]
+        return x.as_strided(x.shape, strides, x.storage_offset())
 
     def _geometry(self, i: int, v: dict) -> LayerGeometry:
         desc = self.layout

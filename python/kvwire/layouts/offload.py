@@ -87,7 +87,8 @@ class OffloadRing:
         nbytes = int(np.prod(shape)) * eb.torch_dtype.itemsize
         raw = self.stream.host_empty(nbytes) if self.stream is not None else torch.empty(nbytes, dtype=torch.uint8)
         self.buffer = raw[:nbytes].view(eb.torch_dtype).view(shape)
-        self.pages = EngineBuffers(layout, self.buffer, kv_lora_rank=eb.kv_lora_rank)
+        self.pages = EngineBuffers(layout, self.buffer, kv_lora_rank=eb.kv_lora_rank, num_layers=L,
+                                   num_heads=None if g0.mla else g0.heads, block_size=page_tokens)
         self._ring = int_view(self.buffer)
         self.start = self.current = self.end = self.released = 0
         self._cv = threading.Condition()

@@ -4,8 +4,9 @@
 described by ``local`` can use the cache: *exact* (use as is), *convertible* (use after
 the listed conversions) or *incompatible* (with every reason, not just the first, so an
 operator sees the whole picture at once). Reasons and conversions are strings that start
-with a stable area word ("tokenizer:", "weights:", "layer 3:", "positions:", "cast ",
-"recompute ", "foreign layers") followed by free text.
+with a stable area word ("tokenizer:", "weights:", "layer 3:", "positions:", "scales:",
+"cast ", "recompute ", "rescale ", "foreign layers") followed by free text. The "dtype:"
+and "scales:" reasons say how to get past them (the option to pass, or what to load).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass, field, fields
 
 from ..format import registry as R
 from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, RopeParams
+from ..format.kv_scales import FP8_DTYPES, NEUTRAL
 from ..format.layermap import resolve
 from .identity import FINGERPRINT_SCHEME, compat_fingerprint
+from .rescale import check_scales
 
 EXACT, CONVERTIBLE, INCOMPATIBLE = "exact", "convertible", "incompatible"
 
@@ -29,6 +32,12 @@ class LocalModel:
     ``accept_foreign_weights``: a cache with a layer map whose mapped layers were computed by
     other weights (another model, a fine-tune) is used anyway, listed as a "foreign layers"
     conversion instead of a reason; off by default, as such layers are not the receiver's own KV.
+    ``kv_scales``: an fp8 receiver's own per-layer scales, one ``KVScale`` or ``(k_scale,
+    v_scale)`` pair per layer of ``arch`` (all (1.0, 1.0) for an engine that keeps none),
+    checked like ``Header.kv_scales`` (KVW-SCALE-2..5); None states none, and a scaled cache is
+    then refused (KVW-XM-10). ``accept_rescale``: layers whose scales differ from the
+    cache's are requantized on load ("rescale layers", ``kvwire.model.rescale.rescale_cache``)
+    rather than refused.
     """
 
     arch: Architecture
@@ -43,6 +52,15 @@ class LocalModel:
     accept_layer_map: bool = True
     require_fingerprints: bool = True
     accept_foreign_weights: bool = False  # under a layer map, use layers other weights computed (KVW-XM-6)
+    kv_scales: tuple | None = None  # 1.1: the receiver's per-layer fp8 scales (KVW-XM-10)
+    accept_rescale: bool = True  # requantize layers whose scales differ (KVW-SCALE-7)
+
+    def __post_init__(self):
+        if self.kv_scales is not None:
+            if not isinstance(self.arch, Architecture):
+                raise TypeError(f"LocalModel arch must be a kvwire.Architecture, not {type(self.arch).__name__}")
+            object.__setattr__(self, "kv_scales", check_scales(self.arch, self.dtype, self.kv_scales,
+                                                               "LocalModel kv_scales"))
 
 
 @dataclass(frozen=True)
@@ -214,13 +232,60 @@ def _structure(h: Header, local: LocalModel, reasons: list, conversions: list) -
             reasons.append(f"layer {i}: {d}")
 
 
-def _soft(h: Header, local: LocalModel, reasons: list, conversions: list) -> None:
-    """Soft tier (KVW-XM-7): what the receiver converts on load."""
-    if h.dtype != local.dtype:
-        if h.dtype in local.accept_casts:
-            conversions.append(f"cast {h.dtype}->{local.dtype}")
+def _layer_list(layers) -> str:
+    """Layer numbers as runs: ``0..2, 5``."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
         else:
-            reasons.append(f"dtype: cache is {h.dtype}, receiver uses {local.dtype} and accepts no cast from it")
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def _scales(h: Header, local: LocalModel, reasons: list, conversions: list) -> None:
+    """fp8 scales (KVW-XM-10): with the same dtype, every receiver layer whose scales differ
+    from those of the cache layer it takes (bit for bit; 1.0 where absent) is rescaled, or a
+    reason. Other dtypes are the cast's business (``_soft``)."""
+    S, Rs = h.kv_scales, local.kv_scales
+    if h.dtype != local.dtype or h.dtype not in FP8_DTYPES or (S is None and Rs is None):
+        return
+    if S is not None and len(S) != h.num_layers:
+        reasons.append(f"scales: the header has {len(S)} kv_scales for {h.num_layers} layers (KVW-SCALE-2)")
+        return
+    if Rs is None:
+        reasons.append(f"scales: the cache's {h.dtype} elements carry per-layer scales (kv_scales) and the "
+                       "receiver states none: pass LocalModel(kv_scales=...) with its own (all (1.0, 1.0) if it "
+                       "keeps none) to load them rescaled, or a float dtype with "
+                       f"accept_casts=frozenset({{{h.dtype!r}}}) to load their values (KVCache.dequantize)")
+        return
+    if h.layer_map:
+        # receiver layer r (resolved: rs holds its cache) takes transmitted layer t's values (resolved: ts)
+        pairs = [(rs, ts) for _, _, ts, rs in _mapped_pairs(h, local.arch)]
+    elif h.num_layers == local.arch.num_layers:
+        pairs = [(i, i) for i in range(h.num_layers)]
+    else:
+        return  # a structure reason already
+    differ = sorted({r for r, t in pairs if (NEUTRAL if S is None else S[t]) != Rs[r]})
+    if not differ:
+        return
+    if local.accept_rescale:
+        conversions.append(f"rescale layers {_layer_list(differ)}")
+    else:
+        reasons.append(f"scales: layers {_layer_list(differ)} have other scales than the receiver's and it accepts "
+                       "no requantization: pass accept_rescale=True (kvwire.model.rescale.rescale_cache)")
+
+
+def _soft(h: Header, local: LocalModel, reasons: list, conversions: list) -> None:
+    """Soft tier (KVW-XM-7, KVW-XM-10): what the receiver converts on load."""
+    if h.dtype != local.dtype:
+        values = " (of the values: elements times kv_scales, KVCache.dequantize)" if h.kv_scales is not None else ""
+        if h.dtype in local.accept_casts:
+            conversions.append(f"cast {h.dtype}->{local.dtype}{values}")
+        else:
+            reasons.append(f"dtype: cache is {h.dtype}, receiver uses {local.dtype} and accepts no cast from it: "
+                           f"pass accept_casts=frozenset({{{h.dtype!r}}}) to cast{values}")
+    _scales(h, local, reasons, conversions)
     if local.chunk_tokens is not None and local.chunk_tokens != h.chunk_tokens:
         conversions.append(f"rechunk {h.chunk_tokens}->{local.chunk_tokens}")
     if local.head_range is not None:

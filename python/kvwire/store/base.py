@@ -180,6 +180,12 @@ class Store:
     def get_many(self, keys, byte_range=None) -> list:
         return [self.get(k, byte_range) for k in keys]
 
+    def get_ranges(self, requests) -> list:
+        """The bytes of each ``(key, byte_range)`` of ``requests`` (None for a miss), each
+        with its own range, in one batch: a layer-by-layer reader fetches one layer's frames
+        from every object of a request at once (KVW-STORE-5)."""
+        return [self.get(k, r) for k, r in requests]
+
     def put_many(self, items) -> list[bool]:
         return [self.put(k, v) for k, v in items]
 

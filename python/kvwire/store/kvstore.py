@@ -30,17 +30,17 @@ says which model layers it holds with the format's own means, a layer map (kvwir
 section 7): receiver layer ``a + i`` is a ``copy`` of transmitted layer ``i``, and the
 model's other layers, not listed, are recomputed by a receiver (KVW-MAP-6); the
 compatibility check (crossmodel.md, KVW-XM-6) then compares the right layers, and
-``layer_weights_fingerprints`` are cut to the held layers. A cache that holds every layer
-keeps its header's map (usually none). The reader checks ``num_layers == b - a`` and, for
-``a > 0``, that the object's layer map is exactly that range map. A cache whose header
-carries such a range map (a ``get_cache`` of a layer range) holds those model layers, so
-``put_cache`` keys it under them again.
+``layer_weights_fingerprints`` and the fp8 ``kv_scales`` (KVW-SCALE-8) are cut to the held
+layers. A cache that holds every layer keeps its header's map (usually none). The reader
+checks ``num_layers == b - a`` and, for ``a > 0``, that the object's layer map is exactly
+that range map. A cache whose header carries such a range map (a ``get_cache`` of a layer
+range) holds those model layers, so ``put_cache`` keys it under them again.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from ..cache.tensors import as_numpy, carve
 from ..format.crossmodel import PrefixChain
 from ..format.errors import ChecksumError, FormatError, TruncatedError
 from ..format.header import TokenRange
-from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_root
+from ..format.prefix import PREFIX_SCHEME, prefix_root
 from ..model.compat import LocalModel, check_compatible
 from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
 from .keys import KeySpace, codec_fidelity, header_mismatches, held_layers, range_map
@@ -199,12 +199,9 @@ class KVStore:
         arrays = [{c: as_numpy(x) for c, x in layer.items()} for layer in cache.layers[lo:hi]]  # a GPU layer: once
         if (a, b) == held:
             return space, toks, KVCache(h, arrays)
-        m = h.model
-        if m.layer_weights_fingerprints:  # 32 bytes per held layer (KVW-ID-7)
-            m = replace(m, layer_weights_fingerprints=m.layer_weights_fingerprints[HASH_SIZE * lo:HASH_SIZE * hi])
-        sub = h.replace(arch=replace(h.arch, layers=h.arch.layers[lo:hi]), layer_tokens=h.layer_tokens[lo:hi],
-                        model=m, layer_map=range_map(a, b))
-        return space, toks, KVCache(sub, arrays)
+        # every per-layer value cut to the held layers: specs, token ranges, layer_weights_fingerprints
+        # (KVW-ID-7) and the fp8 kv_scales (KVW-SCALE-8); then the range map (KVW-STORE-16)
+        return space, toks, KVCache(h.layer_slice(lo, hi).replace(layer_map=range_map(a, b)), arrays)
 
     # -- the hit query -------------------------------------------------------------------
     def leading_hits(self, keys) -> int:
@@ -230,7 +227,7 @@ class KVStore:
             return Lookup(0, 0, round_trips=self.store.stats.round_trips - trips0)
         head = self.store.get(keys[0], (0, HEAD_BYTES))
         read = [0 if head is None else len(head)]
-        got = None if head is None else self._check_head(keys[0], head, 0, hashes[0], space, [], read)
+        got = None if head is None else self.check_head(keys[0], head, 0, hashes[0], space, [], read)
         trips = self.store.stats.round_trips - trips0
         if got is None:
             return Lookup(0, 0, bytes_read=read[0], round_trips=trips)
@@ -259,7 +256,7 @@ class KVStore:
         read = [sum(len(x) for x in heads if x is not None)]  # object bytes this call read
         checked: list = []  # (key, header, first bytes) of the leading objects whose header passed
         for k, (key, head) in enumerate(zip(keys, heads)):
-            got = None if head is None else self._check_head(key, head, k, hashes[k], space, checked, read)
+            got = None if head is None else self.check_head(key, head, k, hashes[k], space, checked, read)
             if got is None:
                 break
             checked.append(got)
@@ -274,9 +271,10 @@ class KVStore:
 
     load = get_cache
 
-    def _check_head(self, key, head, k, want_hash, space, checked, read):
-        """(key, header, head) when the object's header is the one the key promises, else
-        None (the object counted and deleted: KVW-STORE-17)."""
+    def check_head(self, key, head, k, want_hash, space, checked, read):
+        """(key, header, head) when object ``k`` of a request (first bytes ``head``, chain
+        hash ``want_hash``, after the ``checked`` ones) is the one the key promises, else None
+        (the object counted and deleted: KVW-STORE-17); ``read[0]`` counts bytes read."""
         try:
             try:
                 h = probe(head)
@@ -301,9 +299,11 @@ class KVStore:
     @staticmethod
     def _matches(h, k, want_hash, space, checked) -> bool:
         """KVW-STORE-17: the header is the key's (``header_mismatches``), at the key's
-        position in this request, and joins the chunks before it."""
+        position in this request, and joins the chunks before it (same architecture and fp8
+        scales: one request's cache has one set, KVW-SCALE-7)."""
         return (not header_mismatches(h, space, want_hash) and h.first_position == k * space.chunk_tokens
-                and (not checked or (h.arch == checked[0][1].arch and checked[-1][1].token_count == space.chunk_tokens)))
+                and (not checked or (h.arch == checked[0][1].arch and h.kv_scales == checked[0][1].kv_scales
+                                     and checked[-1][1].token_count == space.chunk_tokens)))
 
     def _decode_all(self, checked, space, hashes, read):
         """(cache, chunks served, tokens) of the checked objects: bodies by batched
@@ -328,7 +328,7 @@ class KVStore:
             for n in range(i, j):
                 key, h, head = checked[n]
                 buf = bodies.pop(n, head)
-                if buf is None or not self._decode_into(key, h, buf, outs, n * C):
+                if buf is None or not self._decode_into(key, h, head, buf, outs, n * C):
                     break  # evicted between the two reads, or corrupt: the hits end here
                 hits += 1
             i = j
@@ -341,11 +341,11 @@ class KVStore:
             PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(hashes[:hits])))
         return KVCache(header, outs), hits, served
 
-    def _decode_into(self, key, h, buf, outs, start: int) -> bool:
+    def _decode_into(self, key, h, head, buf, outs, start: int) -> bool:
         """Decode one object, checksums verified, into tokens [start, start + count) of
         ``outs``; False (the object counted and deleted) when it fails."""
         try:
-            r = Reader(buf)
+            r = Reader(buf, known_header=(h, head))  # header bytes as checked: not parsed again
             if r.header != h:  # objects are immutable: a changed one is not the one checked
                 self.counts["incompatible"] += 1
                 self.store.delete(key)

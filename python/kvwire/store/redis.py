@@ -209,10 +209,14 @@ class RedisStore(Store):
         return self.get_many([key], byte_range)[0]
 
     def get_many(self, keys, byte_range=None) -> list:
-        keys = check_keys(keys)
+        return self.get_ranges([(k, byte_range) for k in keys])
+
+    def get_ranges(self, requests) -> list:
+        requests = list(requests)
+        keys = check_keys(k for k, _ in requests)
         if not keys:
             return []
-        cmds = [range_command(k, byte_range) for k in keys]
+        cmds = [range_command(k, r) for k, r in requests]
         out = []
         for key, cmd, reply in zip(keys, cmds, self.run(cmds, keys)):
             value = None if reply is MISSING else range_reply(cmd, self.raise_error(reply, key))

@@ -83,7 +83,8 @@ def cmd_inspect(args) -> int:
         print(f"  producer   {h.producer.library} {h.producer.version}")
         print(f"  model      type={h.model.model_type!r} id={h.model.model_id!r} revision={h.model.revision!r}")
         print(f"  tokens     {h.token_count} from position {h.first_position}, chunks of {h.chunk_tokens}")
-        print(f"  dtype      {h.dtype}, alignment {h.alignment}, checksum {h.checksum_algorithm}")
+        print(f"  dtype      {h.dtype}" + (" x per-layer scales (kv_scales)" if h.kv_scales is not None else "")
+              + f", alignment {h.alignment}, checksum {h.checksum_algorithm}")
         for i, spec in enumerate(h.codec_specs, 1):  # spec/codecs.md: non-default parameters only
             params = ", ".join(f"{k}={v}" for k, v in asdict(spec).items() if k != "codec"
                                and v != getattr(type(spec)(), k))
@@ -102,6 +103,8 @@ def cmd_inspect(args) -> int:
                                                              for t in spec.state_tensors)  # spec/crossmodel.md
             extra = f" window={spec.window}" if spec.window else ""
             extra += f" source={spec.source_layer}" if spec.kind == "shared" else ""
+            if h.kv_scales is not None:  # spec 5.10: value = stored fp8 x scale (9 digits: the exact binary32)
+                extra += f" k_scale={h.kv_scales[i].k_scale:.9g} v_scale={h.kv_scales[i].v_scale:.9g}"
             print(f"    {i:4d} {spec.kind:<18} tokens [{tr.start}, {tr.stop}) {dims}{extra}")
         for k, v in sorted(h.metadata.items()):
             print(f"  metadata   {k} = {v[:64]!r}")

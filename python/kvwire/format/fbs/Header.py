@@ -263,7 +263,33 @@ class Header(object):
             return obj
         return None
 
-def HeaderStart(builder): builder.StartObject(20)
+    # Revision 1.1: one KVScale per layer; read only when required feature bit 3 (kv_scales)
+    # is set, otherwise an unknown field (spec KVW-SCALE-1, KVW-EVOL-11).
+    # Header
+    def KvScales(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 8
+            from .KVScale import KVScale
+            obj = KVScale()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Header
+    def KvScalesLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Header
+    def KvScalesIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        return o == 0
+
+def HeaderStart(builder): builder.StartObject(21)
 def Start(builder):
     return HeaderStart(builder)
 def HeaderAddFormatMajor(builder, formatMajor): builder.PrependUint16Slot(0, formatMajor, 0)
@@ -338,6 +364,12 @@ def StartCodecSpecsVector(builder, numElems):
 def HeaderAddSparse(builder, sparse): builder.PrependUOffsetTRelativeSlot(19, flatbuffers.number_types.UOffsetTFlags.py_type(sparse), 0)
 def AddSparse(builder, sparse):
     return HeaderAddSparse(builder, sparse)
+def HeaderAddKvScales(builder, kvScales): builder.PrependUOffsetTRelativeSlot(20, flatbuffers.number_types.UOffsetTFlags.py_type(kvScales), 0)
+def AddKvScales(builder, kvScales):
+    return HeaderAddKvScales(builder, kvScales)
+def HeaderStartKvScalesVector(builder, numElems): return builder.StartVector(8, numElems, 4)
+def StartKvScalesVector(builder, numElems):
+    return HeaderStartKvScalesVector(builder, numElems)
 def HeaderEnd(builder): return builder.EndObject()
 def End(builder):
     return HeaderEnd(builder)

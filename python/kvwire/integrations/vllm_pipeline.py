@@ -1,0 +1,127 @@
+"""The layer pipeline of the vLLM connector: one engine step's loads read a layer ahead of
+the forward pass, in a background thread.
+
+Why: vLLM calls ``wait_for_layer_load(layer)`` as each attention layer starts. Reading
+every layer before the forward pass (``start_load_kv``) makes the first layer wait for the
+whole transfer; here a thread opens the step's loads (``kvwire.store.LayerwiseLoad``: two
+batched reads) and then fetches and decodes layer after layer (one batched ranged read per
+layer for all the step's requests, checksums verified), staying at most ``depth`` layers
+ahead of the forward pass so staging memory stays ``depth`` layers. The engine thread only
+scatters a ready layer into its paged buffers (``scatter_layer``: one index copy), so on a
+GPU the copy is ordered with the compute stream.
+
+Nothing here can hang the engine: a layer not ready within ``timeout`` seconds, an error in
+the thread, or a layer the forward pass never waited for (its attention ran without it)
+counts as a failed load of every token of that step, and the connector reports the blocks
+to vLLM, which recomputes them. Engine-neutral (no vLLM import), so it is unit-tested
+without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..format.kv_scales import KVScale
+from ..model.rescale import rescale_fp8
+from ..store import KVStore
+from ..store.layerwise import LayerwiseLoad, fetch_layer
+
+log = logging.getLogger("kvwire.vllm")
+
+
+def rescale_layer(arrays: dict, header, layer: int, kv_scales) -> None:
+    """Requantize one layer's fp8 arrays in place from the header's scales to ``kv_scales``
+    (None: 1.0), K and LATENT by k_scale, V by v_scale (crossmodel.md KVW-XM-10)."""
+    src = header.kv_scales[layer] if header.kv_scales is not None else KVScale()
+    dst = KVScale(*kv_scales[layer]) if kv_scales is not None else KVScale()
+    for comp, x in arrays.items():
+        a, b = (src.v_scale, dst.v_scale) if comp == "v" else (src.k_scale, dst.k_scale)
+        if a != b:
+            x[...] = rescale_fp8(x, a, b, header.dtype)
+
+
+def same_scales(header, kv_scales) -> bool:
+    """Does a stored chunk carry exactly the engine's fp8 scales (both None when unscaled)?"""
+    if kv_scales is None:
+        return header.kv_scales is None
+    return header.kv_scales is not None and header.kv_scales == tuple(KVScale(k, v) for k, v in kv_scales)
+
+
+class LayerPipeline:
+    """Loads ``[(req_id, tokens, n_chunks)]`` of ``kv`` in ``space``, layer by layer."""
+
+    def __init__(self, kv: KVStore, space, loads, num_layers: int, *, depth: int = 2, timeout: float = 30.0,
+                 kv_scales=None):
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"depth (layers read ahead) must be an int >= 1, not {depth!r}")
+        self.kv, self.space, self.num_layers, self.timeout = kv, space, num_layers, timeout
+        self.specs = list(loads)
+        self.loads: list[LayerwiseLoad | None] = [None] * len(self.specs)
+        self.ready: list[list | None] = [None] * num_layers  # per layer: per load, arrays or None
+        self.events = [threading.Event() for _ in range(num_layers)]
+        self.slots = threading.Semaphore(depth)
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.waited: set[int] = set()
+        self.kv_scales = kv_scales  # the engine's fp8 scales: objects stored with others are requantized
+        self.rescaled = 0  # loads whose objects carried other scales (KVW-SCALE-7)
+        self.thread = threading.Thread(target=self._run, name="kvwire-layer-loads", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loads = [LayerwiseLoad(self.kv, tokens, self.space, n_chunks) for _, tokens, n_chunks in self.specs]
+            # KVW-SCALE-7: fp8 elements mean something only with their scales; a request's objects share one
+            # set (KVStore refuses to join others), so a load whose first object's differ is requantized
+            convert = [x.header is not None and not same_scales(x.header, self.kv_scales) for x in self.loads]
+            self.rescaled = sum(convert)
+            live = [x for x in self.loads if x.header is not None]
+            for layer in range(self.num_layers):
+                while not self.slots.acquire(timeout=0.1):
+                    if self.stop.is_set():
+                        return
+                if self.stop.is_set():
+                    return
+                fetch_layer(live, layer)
+                got = [x.decode(layer) if x.header is not None and x.served else None for x in self.loads]
+                for x, arrays, c in zip(self.loads, got, convert):
+                    if c and arrays is not None:
+                        rescale_layer(arrays, x.header, layer, self.kv_scales)
+                self.ready[layer] = got
+                self.events[layer].set()
+        except BaseException as exc:  # reported as failed loads, never raised in the engine
+            self.error = exc
+            log.warning("kvwire layer-wise load failed, vLLM recomputes: %r", exc)
+        finally:
+            for e in self.events:
+                e.set()
+
+    def wait(self, layer: int) -> list:
+        """Per load, {component: [heads, tokens, dim]} of ``layer`` (the served tokens from
+        0) or None; call ``done(layer)`` after using it."""
+        self.waited.add(layer)
+        if not self.events[layer].wait(self.timeout):
+            log.warning("kvwire: layer %d not loaded within %.0f s, vLLM recomputes", layer, self.timeout)
+            self.error = self.error or TimeoutError(f"layer {layer} not loaded within {self.timeout} s")
+            self.stop.set()
+        got = self.ready[layer]
+        if self.error is not None or got is None:
+            return [None] * len(self.specs)
+        return got
+
+    def done(self, layer: int) -> None:
+        self.ready[layer] = None  # staging memory goes as soon as the layer is in place
+        self.slots.release()
+
+    def close(self) -> list[int]:
+        """Stop the thread; per load, the tokens every layer holds (0 after an error, or when
+        a layer was never waited for: its attention ran without it)."""
+        self.stop.set()
+        self.thread.join(self.timeout)
+        if self.error is not None or len(self.waited) < self.num_layers or self.thread.is_alive():
+            return [0] * len(self.specs)
+        return [0 if x is None or x.header is None else min(x.served, x.tokens) for x in self.loads]
+
+
+__all__ = ["LayerPipeline", "rescale_layer", "same_scales"]

@@ -1,0 +1,222 @@
+"""``LayerwiseLoad``: a request's chunk objects read and decoded one layer at a time.
+
+Why: an engine computes layer by layer, and layer ``i`` needs only layer ``i``'s KV. A
+loader that fetches everything before the forward pass makes the first layer wait for the
+last layer's bytes; one that reads layer ``i + 1`` while layer ``i`` computes hides all
+but one layer of the transfer (the brief's layer-wise pipelining, spec/store.md
+KVW-STORE-27).
+
+How, without a format of its own: every chunk object is an ordinary file-form container
+whose frames follow its index, a layer's frames next to each other (canonical order,
+KVW-CHUNK-9), so one layer of one object is one byte range. Opening a load reads, for all
+its objects at once, the header (one batched ranged get of ``HEAD_BYTES``, checked exactly
+as ``KVStore.get_cache`` checks it, KVW-STORE-17) and the tail (one batched suffix get: the
+end frame, the index and the trailer). Each layer is then one batched ``get_ranges`` of
+that layer's frames from every object, decoded with checksums into the caller's arrays.
+
+The bytes of an object land in one buffer of the size its trailer states, and a
+``Reader`` over that buffer runs every reader check (index checksum, end frame, each frame
+against the index, body checksums) as over the whole object; the size is refused when it
+exceeds what the header's tensors can need, so a hostile trailer cannot make the loader
+allocate. An object that fails (evicted between two reads, corrupt, not the key's) is
+counted and deleted like any bad object, and ends the hits: ``served`` is the tokens that
+every layer decoded so far holds, the minimum over layers, and the caller recomputes the
+rest.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ..cache.reader import Reader
+from ..cache.tensors import empty
+from ..format.container import FRAME_SIZE, TRAILER_SIZE, align_up
+from ..format.errors import ChecksumError, FormatError
+from .keys import KeySpace
+from .kvstore import HEAD_BYTES, KVStore, token_bytes
+
+RECORD_BYTES = 56  # a ChunkRecord in the index vector
+
+
+def max_records(h) -> int:
+    """An upper bound on a chunk object's records: every component of every layer, in at
+    most ceil(tokens / C) + 1 grid chunks (a store object has one)."""
+    return sum(len(s.components) for s in h.arch.layers) * (-(-h.token_count // h.chunk_tokens) + 1)
+
+
+class LayerwiseLoad:
+    """The leading stored chunks of ``tokens`` (at most ``n_chunks``), to be read layer by
+    layer with ``load_layer`` (or ``fetch_layer`` over several loads, then ``decode``)."""
+
+    def __init__(self, kv: KVStore, tokens, space: KeySpace, n_chunks: int | None = None):
+        if not isinstance(kv, KVStore):
+            raise TypeError(f"LayerwiseLoad needs a kvwire.store.KVStore, not {type(kv).__name__}")
+        if not isinstance(space, KeySpace):
+            raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
+        if n_chunks is not None and (not isinstance(n_chunks, int) or isinstance(n_chunks, bool) or n_chunks < 0):
+            raise ValueError(f"n_chunks must be None or an int >= 0, not {n_chunks!r}")
+        self.kv, self.space = kv, space
+        toks = np.asarray(tokens)
+        if n_chunks is not None and toks.ndim == 1:
+            toks = toks[:n_chunks * space.chunk_tokens]
+        hashes = space.hashes(toks, partial=True)
+        self.keys = [space.key(x) for x in hashes]
+        read = [0]
+        heads = kv.store.get_many(self.keys, (0, HEAD_BYTES)) if self.keys else []
+        read[0] += sum(len(x) for x in heads if x is not None)
+        checked: list = []
+        for k, (key, head) in enumerate(zip(self.keys, heads)):
+            got = None if head is None else kv.check_head(key, head, k, hashes[k], space, checked, read)
+            if got is None:
+                break
+            checked.append(got)
+        self.readers: list[Reader] = []
+        self.buffers: list = []
+        self._open(checked, read)
+        self.header = self.readers[0].header if self.readers else None
+        self.starts = [r.header.first_position for r in self.readers]
+        self.tokens = sum(r.header.token_count for r in self.readers)  # what the objects that opened hold
+        self.served = self.tokens
+        self.layers_done: set[int] = set()
+        self._pending: dict[int, list] = {}
+        kv.counts["bytes_read"] += read[0]
+        kv.counts["hits"] += len(self.readers)
+        kv.counts["misses"] += len(self.keys) - len(self.readers)
+
+    # -- opening: headers checked, then every object's end frame, index and trailer --------
+    def _open(self, checked, read) -> None:
+        whole = [len(head) < HEAD_BYTES for _, _, head in checked]  # the first read got the whole object
+        tails = {}
+        need = [n for n, w in enumerate(whole) if not w]
+        if need:
+            guess = {n: FRAME_SIZE + RECORD_BYTES * max_records(checked[n][1]) + 256 + TRAILER_SIZE for n in need}
+            size = max(guess.values())
+            got = self.kv.store.get_many([checked[n][0] for n in need], (-size, None))
+            read[0] += sum(len(x) for x in got if x is not None)
+            tails = dict(zip(need, got))
+        for n, (key, h, head) in enumerate(checked):
+            buf = head if whole[n] else self._assemble(key, h, head, tails.get(n), read)
+            if buf is None:
+                break  # evicted between the two reads, or corrupt: the hits end here
+            try:
+                r = Reader(buf, known_header=(h, head))  # the header checked above is not parsed again
+            except FormatError:
+                self._bad(key, "corrupt")
+                break
+            if r.header != h:  # objects are immutable: a changed one is not the one checked
+                self._bad(key, "incompatible")
+                break
+            self.readers.append(r)
+            self.buffers.append(buf)
+
+    def _assemble(self, key, h, head, tail, read):
+        """An object-sized buffer holding the first bytes and the tail (end frame, index,
+        trailer), or None (a miss: evicted, or corrupt and deleted)."""
+        if tail is None:
+            return None
+        if len(tail) < TRAILER_SIZE:
+            return self._bad(key, "corrupt")
+        index_offset, index_length = struct.unpack_from("<QI", tail, len(tail) - TRAILER_SIZE)
+        size = align_up(index_offset + index_length, 8) + TRAILER_SIZE  # KVW-FILE-2
+        bound = (len(head) + token_bytes(h) * h.token_count * 101 // 100
+                 + max_records(h) * (2 * FRAME_SIZE + RECORD_BYTES + h.alignment) + (64 << 10))
+        want = size - (index_offset - FRAME_SIZE)  # end frame, index, padding, trailer
+        if not (len(head) <= size <= bound and FRAME_SIZE + TRAILER_SIZE <= want <= size) or len(tail) > size:
+            return self._bad(key, "corrupt")  # no allocation on a size the header cannot justify
+        if len(tail) < want:  # the index is longer than guessed: one more suffix read
+            tail = self.kv.store.get(key, (-want, None))
+            if tail is None:
+                return None
+            read[0] += len(tail)
+            if len(tail) != want:
+                return self._bad(key, "corrupt")
+        buf = np.empty(size, np.uint8)  # every byte a check reads is filled before it is read
+        buf[:len(head)] = np.frombuffer(head, np.uint8)
+        buf[size - len(tail):] = np.frombuffer(tail, np.uint8)
+        return buf
+
+    def _bad(self, key, what: str) -> None:
+        self.kv.counts[what] += 1
+        self.kv.store.delete(key)
+        return None
+
+    # -- one layer ----------------------------------------------------------------------
+    def layer_requests(self, layer: int) -> list:
+        """``(key, (offset, length))`` of ``layer``'s frames in each object still served that
+        was not read whole (what ``fetch_layer`` asks the store for)."""
+        out = []
+        self._pending[layer] = []
+        for n, r in enumerate(self.readers):
+            if self.starts[n] >= self.served:
+                break
+            if not isinstance(self.buffers[n], np.ndarray):
+                continue  # read whole at open
+            idx = np.flatnonzero(r.records["layer"] == layer)
+            if not len(idx):
+                continue
+            lo = int(r.records["offset"][idx].min()) - FRAME_SIZE
+            hi = int((r.records["offset"][idx] + r.records["stored_length"][idx]).max())
+            out.append((self.keys[n], (lo, hi - lo)))
+            self._pending[layer].append((n, lo, hi))
+        return out
+
+    def take(self, layer: int, replies) -> None:
+        """Place the replies of ``layer_requests(layer)`` in the objects' buffers."""
+        for (n, lo, hi), data in zip(self._pending.pop(layer, []), replies):
+            if data is None or len(data) != hi - lo:
+                self._cut(n, None if data is None else "corrupt")  # evicted, or shorter than its index says
+                continue
+            self.buffers[n][lo:hi] = np.frombuffer(data, np.uint8)
+            self.kv.counts["bytes_read"] += hi - lo
+
+    def _cut(self, n: int, what) -> None:
+        if what:
+            self._bad(self.keys[n], what)
+        self.served = min(self.served, self.starts[n])
+
+    def decode(self, layer: int, out: dict | None = None) -> dict:
+        """Layer ``layer`` of the served tokens, checksums verified, into ``out``
+        ({component: array [heads, >= served, dim]}, e.g. staging arrays; allocated when
+        None); returns {component: the served tokens' view}. A failing object cuts
+        ``served``."""
+        if self.header is None:
+            raise ValueError("nothing to decode: no stored chunk of this request opened")
+        spec = self.header.arch.layers[layer]
+        if out is None:
+            out = {c: empty(spec.shape(c, self.served), self.header.dtype, "numpy") for c in spec.components}
+        for n, r in enumerate(self.readers):
+            a = self.starts[n]
+            if a >= self.served:
+                break
+            b = a + r.header.token_count
+            try:
+                r.layer(layer, verify=True, out={c: x[:, a:b, :] for c, x in out.items()})
+            except ChecksumError:
+                self._cut(n, "checksum_failures")
+            except FormatError:
+                self._cut(n, "corrupt")
+        self.layers_done.add(layer)
+        return {c: x[:, :self.served, :] for c, x in out.items()}
+
+    def load_layer(self, layer: int, out: dict | None = None) -> dict:
+        """``fetch_layer([self], layer)`` then ``decode(layer, out)``."""
+        fetch_layer([self], layer)
+        return self.decode(layer, out)
+
+
+def fetch_layer(loads, layer: int) -> None:
+    """Fetch ``layer``'s frames of every object of ``loads`` (LayerwiseLoads on one store)
+    in one batched ``get_ranges``: one round trip per layer for a whole engine step."""
+    loads = [x for x in loads if x.readers]
+    if not loads:
+        return
+    parts = [x.layer_requests(layer) for x in loads]
+    flat = [req for p in parts for req in p]
+    replies = iter(loads[0].kv.store.get_ranges(flat) if flat else [])
+    for x, p in zip(loads, parts):
+        x.take(layer, [next(replies) for _ in p])
+
+
+__all__ = ["LayerwiseLoad", "fetch_layer"]

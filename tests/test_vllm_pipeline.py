@@ -1,0 +1,329 @@
+"""The vLLM connector's layer pipeline (kvwire.integrations.vllm_pipeline) and its partial
+tail chunk (vllm_plan.tail_to_save), tested without vLLM: a step's loads read by a thread
+one layer ahead and scattered into vLLM 0.32's paged view bit for bit, at most ``depth``
+layers staged; a corrupt chunk found at layer 2 cuts what every layer holds; a thread
+error, a stuck store and a layer the forward pass never waited for all count as failed
+loads (vLLM recomputes), never as a hang or wrong data (spec/store.md KVW-STORE-17, 27)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvwire
+from kvwire.cache.tensors import as_numpy
+from kvwire.integrations.vllm_pipeline import LayerPipeline
+from kvwire.integrations.vllm_plan import (
+    ModelKey, RequestState, chunk_cache, chunks_to_save, gather_layer, scatter_layer, slots, tail_to_save,
+)
+from kvwire.store import KVStore, MemoryStore
+
+from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, random_bits  # noqa: F401 (fixtures)
+
+C, BS = 32, 16
+
+
+def stored_prompt(key: ModelKey, kv: KVStore, n_tokens: int, seed: int, partial: bool = False):
+    """A prompt whose K/V were written into paged buffers and saved chunk by chunk, as a
+    producer connector saves them; returns (prompt, per-layer [heads, tokens, dim] K/V)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 256, (n_tokens,), generator=gen).tolist()
+    specs = key.arch.layers
+    kvs = [{"k": random_bits((s.num_kv_heads, n_tokens, s.head_dim_k), torch.bfloat16, gen),
+            "v": random_bits((s.num_kv_heads, n_tokens, s.head_dim_v), torch.bfloat16, gen)} for s in specs]
+    end = n_tokens if partial else n_tokens // C * C
+    if end:
+        cache = chunk_cache(key, [{c: as_numpy(x[:, :end]) for c, x in layer.items()} for layer in kvs], 0, end)
+        kv.put_cache(cache, prompt[:end] if not partial else prompt, partial=partial)
+    return prompt, kvs
+
+
+def consumer_buffers(key, n_blocks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [paged_buffer(n_blocks, s.num_kv_heads, BS, 2 * s.head_dim_k, torch.bfloat16, gen) for s in key.arch.layers]
+
+
+def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None):
+    """What the connector does in one step: a pipeline over the requests, each layer
+    waited, scattered and released in order; returns (pipeline, served per request)."""
+    pipe = LayerPipeline(kv, key.space, [(rid, toks, -(-stop // C)) for rid, toks, _, stop, _ in requests],
+                         key.arch.num_layers, depth=depth, timeout=5)
+    for i, spec in enumerate(key.arch.layers):
+        if i == skip_layer:
+            continue
+        got = pipe.wait(i)
+        for (rid, toks, start, stop, blocks), arrays in zip(requests, got):
+            n = 0 if arrays is None else min(arrays["k"].shape[1], stop)
+            if n > start:
+                scatter_layer(bufs[i], slots(blocks, BS, start, n), {c: x[:, start:n] for c, x in arrays.items()},
+                              spec.head_dim_k, False)
+        pipe.done(i)
+    return pipe, pipe.close()
+
+
+def bits(x):
+    return as_numpy(x).view(np.uint16)
+
+
+def test_pipeline_scatters_every_layer_of_two_requests_bit_exactly(fidelity_key):
+    """Two requests of one step (4 and 2 chunks stored, loads of 120 and 64 tokens) land in
+    their blocks of every layer exactly; blocks of other requests are untouched."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    pa, ka = stored_prompt(key, kv, 4 * C + 7, 1)
+    pb, kb = stored_prompt(key, kv, 2 * C, 2)
+    bufs = consumer_buffers(key, 40, 3)
+    before = [b.clone() for b in bufs]
+    blocks_a, blocks_b = list(range(30, 39)), [5, 2, 9, 11]
+    reqs = [("a", pa[:4 * C], 0, 120, blocks_a), ("b", pb, 0, 64, blocks_b)]
+    pipe, served = run_pipeline(key, kv, reqs, bufs)
+    assert served == [4 * C, 2 * C] and pipe.error is None
+    for i, spec in enumerate(key.arch.layers):
+        for (_, _, start, stop, blocks), src in ((reqs[0], ka[i]), (reqs[1], kb[i])):
+            got = gather_layer(bufs[i], slots(blocks, BS, start, stop), spec.head_dim_k, False)
+            assert np.array_equal(bits(got["k"]), bits(src["k"][:, start:stop]))
+            assert np.array_equal(bits(got["v"]), bits(src["v"][:, start:stop]))
+        used = {b for _, _, _, _, bl in reqs for b in bl}
+        other = [b for b in range(40) if b not in used]
+        assert torch.equal(bufs[i][other].view(torch.int16), before[i][other].view(torch.int16))
+
+
+def test_pipeline_stays_at_most_depth_layers_ahead(fidelity_key):
+    """With depth 1 the thread never stages layer i+1 before layer i is released."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, _ = stored_prompt(key, kv, 3 * C, 4)
+    pipe = LayerPipeline(kv, key.space, [("a", prompt, 3)], key.arch.num_layers, depth=1, timeout=5)
+    pipe.wait(0)
+    time.sleep(0.3)  # give the thread every chance to run ahead
+    assert pipe.ready[0] is not None and all(r is None for r in pipe.ready[1:])
+    assert not pipe.events[1].is_set()
+    pipe.done(0)
+    pipe.wait(1)
+    assert pipe.ready[1] is not None
+    pipe.done(1)
+    for i in (2, 3):
+        pipe.wait(i)
+        pipe.done(i)
+    assert pipe.close() == [3 * C]
+
+
+def test_corrupt_chunk_found_at_layer_2_cuts_what_every_layer_holds(fidelity_key):
+    """KVW-STORE-17/27: chunk 2's layer-2 body is corrupt; layers 0-1 got 4 chunks, 2-3 got
+    2; the load serves 2 chunks (the connector reports the rest as load errors)."""
+    key, store = fidelity_key, MemoryStore()
+    kv = KVStore(store)
+    prompt, src = stored_prompt(key, kv, 4 * C, 5)
+    k2 = key.space.keys(prompt)[2]
+    data = bytearray(store.get(k2))
+    r = kvwire.open(bytes(data))
+    j = next(i for i in range(r.chunk_count) if r.info(i).layer == 2)
+    data[r.info(j).offset] ^= 1
+    store.delete(k2)
+    store.put(k2, bytes(data))
+    bufs = consumer_buffers(key, 12, 6)
+    blocks = list(range(8))
+    _, served = run_pipeline(key, kv, [("a", prompt, 0, 4 * C - 1, blocks)], bufs)
+    assert served == [2 * C] and kv.counts["checksum_failures"] == 1 and not store.exists(k2)
+    got = gather_layer(bufs[0], slots(blocks, BS, 0, 4 * C - 1), 64, False)
+    assert np.array_equal(bits(got["k"]), bits(src[0]["k"][:, :4 * C - 1]))  # layer 0 was whole
+    got = gather_layer(bufs[3], slots(blocks, BS, 0, 2 * C), 64, False)
+    assert np.array_equal(bits(got["v"]), bits(src[3]["v"][:, :2 * C]))
+
+
+def test_a_layer_never_waited_for_fails_the_whole_load(fidelity_key):
+    """Its attention ran without the loaded KV: nothing of the step's loads may count."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, _ = stored_prompt(key, kv, 2 * C, 7)
+    _, served = run_pipeline(key, kv, [("a", prompt, 0, 2 * C - 1, list(range(4)))],
+                             consumer_buffers(key, 8, 8), skip_layer=1)
+    assert served == [0]
+
+
+class StuckStore(MemoryStore):
+    """A real MemoryStore whose ranged batch reads block until released (a hung server)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def get_ranges(self, requests):
+        self.release.wait(30)
+        return super().get_ranges(requests)
+
+
+class FailingStore(MemoryStore):
+    def get_ranges(self, requests):
+        raise kvwire.store.StoreError("connection reset by peer")
+
+
+@pytest.mark.parametrize("store_cls", [StuckStore, FailingStore])
+def test_a_stuck_or_failing_store_never_hangs_the_engine(fidelity_key, store_cls):
+    """A layer not ready within the timeout, or a store error in the thread, returns no
+    data for the layer (the forward pass goes on) and the load serves 0 tokens."""
+    key, store = fidelity_key, store_cls()
+    kv = KVStore(store)
+    big = stored_prompt(key, KVStore(store), 8 * C, 9)[0]
+    pipe = LayerPipeline(kv, key.space, [("a", big, 8)], key.arch.num_layers, depth=2, timeout=0.5)
+    t0 = time.perf_counter()
+    results = []
+    for i in range(key.arch.num_layers):
+        results.append(pipe.wait(i))
+        pipe.done(i)
+    if isinstance(store, StuckStore):
+        store.release.set()
+    assert pipe.close() == [0]
+    assert time.perf_counter() - t0 < 5
+    assert all(r == [None] for r in results[1:]) or isinstance(store, FailingStore)
+    assert pipe.error is not None
+
+
+def test_pipeline_depth_is_checked(fidelity_key):
+    with pytest.raises(ValueError, match="depth"):
+        LayerPipeline(KVStore(MemoryStore()), fidelity_key.space, [], 4, depth=0)
+
+
+# -- the trailing partial chunk ---------------------------------------------------------------
+
+def test_tail_is_saved_once_after_the_whole_prompt_and_its_chunks():
+    st = RequestState(list(range(700)))
+    assert chunks_to_save(st, 512, 256) == (0, 2) and tail_to_save(st, 512, 256) is None
+    assert chunks_to_save(st, 699, 256) is None and tail_to_save(st, 699, 256) is None
+    assert chunks_to_save(st, 700, 256) is None and tail_to_save(st, 700, 256) == 2
+    assert tail_to_save(st, 701, 256) is None  # once
+    whole = RequestState(list(range(512)))
+    chunks_to_save(whole, 512, 256)
+    assert tail_to_save(whole, 512, 256) is None  # no partial chunk
+    loaded = RequestState(list(range(700)), saved=0)
+    assert tail_to_save(loaded, 700, 256) is None  # whole chunks first (chunks_to_save moves saved)
+
+
+def test_partial_tail_round_trip_serves_all_but_the_last_block(fidelity_key):
+    """KVW-STORE-11 "partial": a 116-token prompt (3 chunks + 20 tokens) stored with its tail
+    is found whole by the lookup the connector makes, and loads back layer by layer up to
+    the last whole block before the last token."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, src = stored_prompt(key, kv, 3 * C + 20, 10, partial=True)
+    hit = kv.lookup(prompt, key.space, partial=True)
+    assert hit.tokens == 3 * C + 20 and kv.lookup(prompt, key.space).tokens == 3 * C
+    stop = (len(prompt) - 1) // BS * BS  # what matched_tokens gives: 112
+    bufs = consumer_buffers(key, 8, 11)
+    _, served = run_pipeline(key, kv, [("a", prompt, 0, stop, list(range(7)))], bufs)
+    assert served == [3 * C + 20]
+    got = gather_layer(bufs[1], slots(list(range(7)), BS, 0, stop), 64, False)
+    assert np.array_equal(bits(got["k"]), bits(src[1]["k"][:, :stop]))
+
+
+# -- K/V packing of the CPU backend ------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cpu_vec_packing_is_what_the_cpu_kernels_write(seed):
+    """vLLM's CPU backend (vec/vec16 kernels) keeps, per block and head of the [blocks, heads,
+    block_size, 2*D] view, K transposed ([D, block_size]) and then V ([block_size, D]), as
+    measured through its cpu_attn_reshape_and_cache op (the e2e test checks the stored K/V
+    against transformers): scatter with packing "cpu_vec" puts token t's K and V exactly
+    there, gather reads them back, and the "channels" reading of the bytes differs."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, H, N, D = 6, 2, 16, 8
+    buf = random_bits((nb, H, N, 2 * D), torch.bfloat16, gen)
+    blocks = torch.randperm(nb, generator=gen)[:3].tolist()
+    T = 3 * N - int(torch.randint(0, N, (1,), generator=gen))
+    k = random_bits((H, T, D), torch.bfloat16, gen)
+    v = random_bits((H, T, D), torch.bfloat16, gen)
+    ids = slots(blocks, N, 0, T)
+    scatter_layer(buf, ids, {"k": k, "v": v}, D, False, "cpu_vec")
+    mem = buf.view(nb, H, 2, N * D)
+    for t in range(T):
+        b, o = blocks[t // N], t % N
+        assert torch.equal(mem[b, :, 0].view(H, D, N)[:, :, o].view(torch.int16), k[:, t].view(torch.int16))
+        assert torch.equal(mem[b, :, 1].view(H, N, D)[:, o].view(torch.int16), v[:, t].view(torch.int16))
+    got = gather_layer(buf, ids, D, False, "cpu_vec")
+    assert torch.equal(got["k"].view(torch.int16), k.view(torch.int16))
+    assert torch.equal(got["v"].view(torch.int16), v.view(torch.int16))
+    other = gather_layer(buf, ids, D, False, "channels")
+    assert not torch.equal(other["k"].view(torch.int16), k.view(torch.int16))
+    with pytest.raises(ValueError, match="packing"):
+        gather_layer(buf, ids, D, False, "rows")
+
+
+# -- fp8 KV caches: uint8 buffers and per-layer scales, as vLLM hands them over ----------------
+
+def test_cache_dtype_of_maps_vllm_kv_cache_dtypes():
+    from kvwire.integrations.vllm_plan import cache_dtype_of
+
+    assert cache_dtype_of(torch.bfloat16, "auto") == "bf16"
+    assert cache_dtype_of(torch.float16, None) == "f16"
+    assert cache_dtype_of(torch.bfloat16, "fp8") == "f8_e4m3fn"
+    assert cache_dtype_of(torch.bfloat16, "fp8", "f8_e4m3fnuz") == "f8_e4m3fnuz"  # ROCm's "fp8"
+    assert cache_dtype_of(torch.bfloat16, "fp8_e4m3") == "f8_e4m3fn"
+    assert cache_dtype_of(torch.bfloat16, "fp8_e5m2") == "f8_e5m2"
+    for bad in ("fp8_per_token_head", "nvfp4_ds_mla", "int8", "turboquant_k8v4"):
+        with pytest.raises(ValueError, match="per-token"):
+            cache_dtype_of(torch.bfloat16, bad)
+
+
+@pytest.mark.parametrize("fmt", ["f8_e4m3fn", "f8_e5m2"])
+def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
+    """An fp8 vLLM cache: per layer a uint8 [blocks, heads, block_size, 2*D] tensor of fp8
+    elements and python-float k_scale/v_scale (the attention layer's _k_scale_float and
+    _v_scale_float). Chunks gathered from it carry dtype ``fmt`` and the scales (KVW-SCALE-*),
+    are keyed under the fp8 dtype (a bf16 engine never finds them), load back bit-exactly
+    into another engine's uint8 buffers with the same scales, and are requantized for one
+    whose K scales differ (KVW-SCALE-7, crossmodel.md KVW-XM-10)."""
+    import ml_dtypes
+
+    from kvwire.integrations.vllm_pipeline import same_scales
+    from kvwire.integrations.vllm_plan import layer_scales
+    from kvwire.model.rescale import rescale_fp8
+
+    arch, cfg = fidelity
+    key = ModelKey.of(arch, fmt, MODEL_DIR, chunk_tokens=C, config=cfg)
+    bf16_key = ModelKey.of(arch, "bf16", MODEL_DIR, chunk_tokens=C, config=cfg)
+    gen = torch.Generator().manual_seed(12)
+    nb, T = 12, 3 * C
+    src = [torch.randint(0, 256, (nb, s.num_kv_heads, BS, 2 * s.head_dim_k), dtype=torch.uint8, generator=gen)
+           for s in arch.layers]
+    scales = tuple(layer_scales(0.5 + i / 8, 2.0 - i / 8, False) for i in range(arch.num_layers))
+    blocks = torch.randperm(nb, generator=gen)[:T // BS].tolist()
+    ids = slots(blocks, BS, 0, T)
+    prompt = torch.randint(0, 256, (T,), generator=gen).tolist()
+    kv = KVStore(MemoryStore())
+    layers = [gather_layer(x, ids, s.head_dim_k, False) for x, s in zip(src, arch.layers)]
+    cache = chunk_cache(key, layers, 0, T, kv_scales=scales)
+    assert cache.header.dtype == fmt and [(x.k_scale, x.v_scale) for x in cache.header.kv_scales] == list(scales)
+    kv.put_cache(cache, prompt)
+    assert all(f"/{fmt}/" in k for k in kv.store.list())
+    assert kv.lookup(prompt, bf16_key.space).tokens == 0 and kv.lookup(prompt, key.space).tokens == T
+    # the stored values are fp8 element x scale (what another engine reads)
+    got = kv.get_cache(prompt, key.space)
+    npfp8 = getattr(ml_dtypes, {"f8_e4m3fn": "float8_e4m3fn", "f8_e5m2": "float8_e5m2"}[fmt])
+    raw_k = as_numpy(layers[1]["k"]).view(npfp8).astype(np.float32)
+    deq = got.cache.dequantize_layer(1, dtype="f32")["k"]
+    assert np.array_equal(np.asarray(deq), raw_k * np.float32(scales[1][0]), equal_nan=True)
+
+    def load(engine_scales):
+        dst = [torch.zeros_like(x) for x in src]
+        pipe = LayerPipeline(kv, key.space, [("r", prompt, T // C)], arch.num_layers, kv_scales=engine_scales)
+        for i, s in enumerate(arch.layers):
+            arrays = pipe.wait(i)[0]
+            if arrays is not None and arrays["k"].shape[1]:
+                n = arrays["k"].shape[1]
+                scatter_layer(dst[i], slots(blocks, BS, 0, n), arrays, s.head_dim_k, False)
+            pipe.done(i)
+        return dst, pipe.close(), pipe
+
+    dst, served, _ = load(scales)
+    assert served == [T]
+    assert all(torch.equal(d[blocks], x[blocks]) for d, x in zip(dst, src))
+    other = tuple((k * 2, v) for k, v in scales)  # an engine with other K scales: the elements are requantized
+    dst, served, pipe = load(other)
+    assert served == [T] and pipe.rescaled == 1
+    for i, s in enumerate(arch.layers):
+        got = gather_layer(dst[i], ids, s.head_dim_k, False)
+        want_k = rescale_fp8(layers[i]["k"], scales[i][0], other[i][0], fmt)
+        assert np.array_equal(as_numpy(got["k"]).view(np.uint8), want_k.view(np.uint8))
+        assert torch.equal(got["v"], layers[i]["v"])  # V scales unchanged: V elements as stored
+    assert same_scales(cache.header, scales) and not same_scales(cache.header, other)
+    assert not same_scales(cache.header, None)
