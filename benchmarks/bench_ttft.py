@@ -52,7 +52,8 @@ def need_transformers():
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        print(f"bench_ttft: needs torch and transformers (pip install -e '.[hf]'): {exc}", file=sys.stderr)
+        print(f"bench_ttft: needs torch and transformers (pip install torch==2.13.0 --index-url "
+              f"https://download.pytorch.org/whl/cpu && pip install -e '.[hf]'): {exc}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -2,9 +2,11 @@
 
 First screen of the API::
 
-    kvwire.save(path, cache)            # atomic file write
-    kvwire.load(path_or_bytes)          # a KVCache with checksums verified
+    kvwire.save(path, cache)            # atomic file write (or a binary file object / BytesIO)
+    kvwire.load(path_or_bytes)          # a KVCache with checksums verified (paths, bytes, file objects)
     kvwire.open(path_or_bytes)          # Reader: header + chunk views (mmap=: mapped or read, see open)
+    kvwire.save_tensors({"layers.0.k": k0, "layers.0.v": v0, ...}, path)   # safetensors-style dicts
+    cache.keys[i], cache.values[i], cache.astype("float32"), cache.to("cuda"), cache == other
     kvwire.probe(first_bytes)           # the header alone, from the first bytes
     kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
     kvwire.layouts.bind(name, buffers)  # engine buffers (vLLM, SGLang, LMCache...) <-> chunks
@@ -37,8 +39,8 @@ from .format.prefix import prefix_hashes
 from .model.prefix import PrefixIndex, covered_tokens
 from .cache.sparse import SparseInfo, SparseKVCache
 from .version import __version__
-from .cache.encoder import Encoder, encode, iter_buffers
-from .cache.files import save
+from .cache.encoder import Encoder, iter_buffers
+from .cache.files import encode, load_tensors, save, save_tensors  # typed keywords, file objects
 from . import stream
 from .model import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
 from .codecs.policy import Plan, plan  # after the submodule import, kvwire.plan is the function
@@ -50,5 +52,5 @@ __all__ = [
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "SparseInfo", "SparseKVCache", "TokenRange", "TruncatedError",
     "LocalModel", "PrefixChain", "PrefixIndex", "StateTensor", "Verdict", "check_compatible", "covered_tokens",
     "prefix_hashes",
-    "Plan", "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "open", "plan", "probe", "rope", "save", "stream",
+    "Plan", "VersionError", "__version__", "encode", "iter_buffers", "layouts", "load", "load_tensors", "open", "plan", "probe", "rope", "save", "save_tensors", "stream",
 ]

@@ -255,7 +255,9 @@ def identity(model, tokenizer=None) -> ModelIdentity:
 
     Hashes every weight once (cost proportional to the model size); compute it once per
     model and pass it to ``from_hf(..., identity=...)``. Without a tokenizer the tokenizer
-    fingerprint is empty, and the compat fingerprint covers the model alone.
+    fingerprint is empty, and the compat fingerprint covers the model alone: a receiver
+    identified without one too (``local_model(model)``) accepts the cache, one identified with
+    a tokenizer refuses it unless it passes ``allow_missing={"tokenizer"}`` (KVW-XM-3).
     """
     from ..model.identity import config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity
     from ..model.identity import weights_fingerprint
@@ -275,7 +277,8 @@ def identity(model, tokenizer=None) -> ModelIdentity:
 
 
 def local_model(model, tokenizer=None, **kw):
-    """The receiver description ``check_compatible`` needs, for a loaded transformers model."""
+    """The receiver description ``check_compatible`` needs, for a loaded transformers model;
+    ``kw`` are ``LocalModel``'s (``accept_casts``, ``allow_missing``, ...)."""
     from ..model.compat import LocalModel
 
     return LocalModel(arch=arch_from_config(model), dtype=_dtype_of(model), identity=identity(model, tokenizer), **kw)

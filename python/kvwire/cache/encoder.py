@@ -11,12 +11,14 @@ is ``kvwire.cache.files``.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import xxhash
 
 from ..format import registry as R
 from ..format.chunks import ChunkTable, PlannedChunk, on_grid
-from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecPlan
+from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan
 from ..format.container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
@@ -200,6 +202,7 @@ class Encoder:
             raise ValueError(f"{int((~self._filled).sum())} chunks were never written (first missing slot {missing})")
         self._state = "done"
         records = np.array(self._records, RECORD_DTYPE) if self._records else np.zeros(0, RECORD_DTYPE)
+        self._warn_growth(records)
         frame_at = next_frame_offset(self._pos, self.header.alignment)
         out = [bytes(frame_at - self._pos) + build_end_frame(len(records), xxh3(records.tobytes()))]
         self._pos = frame_at + FRAME_SIZE
@@ -211,9 +214,30 @@ class Encoder:
             self._pos += len(index) + pad + 32
         return out
 
+    def _warn_growth(self, records: np.ndarray) -> None:
+        """CodecGrowthWarning when the chosen codec stored the bodies in more bytes than raw."""
+        stored, raw = int(records["stored_length"].sum()), int(records["raw_length"].sum())
+        if stored > raw and not (isinstance(self.codec, str) and self.codec == "raw"):
+            codec = self.codec if isinstance(self.codec, str) else type(self.codec).__name__
+            warnings.warn(f"codec {codec!r} stored this cache in {stored} bytes, more than its {raw} raw "
+                          f"{self.header.dtype} bytes ({raw / stored:.2f}x): write it raw or choose another codec "
+                          "(docs/codecs.md; kivi keeps the last 128 tokens in full precision and pays off only "
+                          "on long caches)", CodecGrowthWarning, stacklevel=_caller_level())
+
     def _expect(self, state: str, call: str) -> None:
         if self._state != state:
             raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
+
+
+def _caller_level() -> int:
+    """``stacklevel`` naming the first frame outside kvwire, so a warning points at the caller's line."""
+    import os
+    import sys
+
+    root, level, frame = os.path.dirname(os.path.dirname(__file__)), 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_header_argument(header) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import io
 import os
 import queue
 import secrets
@@ -22,9 +23,11 @@ import threading
 
 import xxhash
 
+from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES
-from .args import BACKENDS, check_choice, check_count
+from .args import BACKENDS, check_cache, check_choice, check_count, check_keywords, has_fileno
 from .encoder import iter_buffers
+from .kvcache import KVCache
 from .reader import Reader
 from .source import map_file, only_this_user_can_write, open_regular, read_all
 
@@ -272,20 +275,79 @@ def atomic_write(path, buffers, *, fsync: bool = False) -> int:
     return size
 
 
-def save(path, cache, *, fsync: bool = False, **opts) -> int:
-    """Write ``cache`` (a ``KVCache`` or ``SparseKVCache``) to ``path`` in file form,
-    atomically (``atomic_write``); returns the size."""
-    if not hasattr(cache, "header") or not hasattr(cache, "chunk_arrays"):
-        raise TypeError(f"save() needs a kvwire.KVCache (or SparseKVCache), not {type(cache).__name__}; "
-                        "build one from per-layer tensors with kvwire.KVCache.from_tensors(keys, values)")
-    return atomic_write(path, iter_buffers(cache, form="file", **opts), fsync=fsync)
+ENCODE_KEYWORDS = ("codec", "level", "chunk_tokens", "alignment", "first_position", "model", "metadata", "header_changes")
+
+
+def encode(cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, form: str = "file", chunk_tokens: int | None = None,
+           alignment: int | None = None, first_position: int | None = None, model=None, metadata: dict | None = None,
+           header_changes: dict | None = None, **unknown) -> bytes:
+    """The whole container as bytes. ``codec``: "raw" (default), "zstd", a preset of
+    ``kvwire.codecs.PRESETS`` ("byteplane", "int8", "int4-g32-zstd", "kivi2", ...), a
+    ``CodecSpec``, ``{(layer, component): codec}`` or a callable (spec/codecs.md); ``level``: the zstd level; ``form``: "file" (seekable, with an
+    index) or "stream". ``chunk_tokens``, ``alignment``, ``first_position``, ``model`` and
+    ``metadata`` replace those Header fields for this encoding (None: the cache's own);
+    ``header_changes``: any other Header fields. An unknown keyword is a TypeError naming these.
+    """
+    changes = check_keywords("encode", unknown, ("form", *ENCODE_KEYWORDS), header_changes, chunk_tokens=chunk_tokens,
+                             alignment=alignment, first_position=first_position, model=model, metadata=metadata)
+    return b"".join(iter_buffers(cache, form=form, codec=codec, level=level, **changes))
+
+
+def save(file, cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, fsync: bool = False,
+         chunk_tokens: int | None = None, alignment: int | None = None, first_position: int | None = None,
+         model=None, metadata: dict | None = None, header_changes: dict | None = None, **unknown) -> int:
+    """Write ``cache`` (a ``KVCache`` or ``SparseKVCache``) in file form; returns the size.
+
+    ``file``: a path (str or os.PathLike), written atomically (``atomic_write``: a reader
+    sees the old file or the whole new one), or a binary file object opened for writing
+    (``open(p, "wb")``, ``io.BytesIO()``, a pipe; seekable or not), written from its current
+    position, not atomically, and left open. ``fsync=True``: durable before this returns (a
+    file object needs a ``fileno()``). The other keywords are ``encode``'s."""
+    if hasattr(file, "chunk_arrays"):
+        raise TypeError("kvwire.save(file, cache): the file comes first (torch.save(obj, f) has the other order)")
+    check_cache(cache, "save")
+    changes = check_keywords("save", unknown, ("fsync", *ENCODE_KEYWORDS), header_changes, chunk_tokens=chunk_tokens,
+                             alignment=alignment, first_position=first_position, model=model, metadata=metadata)
+    buffers = iter_buffers(cache, form="file", codec=codec, level=level, **changes)
+    if isinstance(file, (str, os.PathLike)):
+        return atomic_write(file, buffers, fsync=fsync)
+    if not callable(getattr(file, "write", None)) or isinstance(file, io.TextIOBase):
+        raise TypeError(f"save() writes to a path (str or os.PathLike) or a binary file object (mode 'wb'), not "
+                        f"{type(file).__name__}")
+    if fsync and not has_fileno(file):
+        raise ValueError(f"fsync=True needs a file with a descriptor (fileno()); a {type(file).__name__} has none")
+    total = 0
+    for mv in map(lambda b: memoryview(b).cast("B"), buffers):
+        while mv.nbytes:  # a raw (unbuffered) file may take part of a buffer; None: all of it
+            n = file.write(mv)
+            total, mv = total + (mv.nbytes if n is None else n), mv[mv.nbytes if n is None else n :]
+    if fsync:
+        file.flush()
+        os.fsync(file.fileno())
+    return total
+
+
+def save_tensors(tensors, file, *, model=None, first_position: int = 0, metadata: dict | None = None,
+                 codec="raw", level: int = DEFAULT_ZSTD_LEVEL, fsync: bool = False) -> int:
+    """``save`` for safetensors users: ``tensors`` is ``{"layers.<i>.k": K, "layers.<i>.v": V}``
+    (i = 0 ... n-1, each [heads, tokens, head_dim], numpy or torch; ``KVCache.from_dict``), in
+    safetensors' argument order (tensors, then file); returns the size."""
+    cache = KVCache.from_dict(tensors, model=model, first_position=first_position, metadata=metadata)
+    return save(file, cache, codec=codec, level=level, fsync=fsync)
+
+
+def load_tensors(source, *, device=None, backend: str | None = None, verify: bool = True,
+                 mmap: bool | None = None) -> dict:
+    """``{"layers.<i>.<component>": tensor}`` of a container (``KVCache.to_dict``); ``source``
+    and the keywords as for ``load``."""
+    return load(source, device=device, backend=backend, verify=verify, mmap=mmap).to_dict()
 
 
 # -- reading files ------------------------------------------------------------------------
 
 def open(source, *, mmap: bool | None = None,  # noqa: A001
          max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Reader:
-    """A ``Reader`` over a path or a bytes-like object.
+    """A ``Reader`` over a path, a bytes-like object or a binary file object.
 
     ``mmap`` (paths): ``False`` reads the file into memory of the reader's own, immune to
     whatever other processes do to the file afterwards; ``True`` maps it (privately), so
@@ -299,7 +361,9 @@ def open(source, *, mmap: bool | None = None,  # noqa: A001
     shrunk file, but views already handed out cannot be protected. kvwire's own writers
     replace files atomically (new inode), which never affects a mapping.
 
-    A bytes-like ``source`` is used in place (``mmap=False``: copied first). Paths that
+    A bytes-like ``source`` is used in place (``mmap=False``: copied first). A file object
+    (``open(p, "rb")``, ``io.BytesIO``, a pipe or socket file; seekable or not) is read from
+    its current position to its end into memory of the reader's own. Paths that
     are not regular files are refused before any read: ``IsADirectoryError`` for a
     directory, ``OSError`` (EINVAL) for a FIFO, device or socket.
     """
@@ -329,8 +393,15 @@ def open(source, *, mmap: bool | None = None,  # noqa: A001
     try:
         memoryview(source)
     except TypeError:
-        raise TypeError(f"kvwire.open() needs a path (str or os.PathLike) or a bytes-like object, "
-                        f"not {type(source).__name__}") from None
+        if not callable(getattr(source, "read", None)):
+            raise TypeError(f"kvwire.open() needs a path (str or os.PathLike), a binary file object or a bytes-like "
+                            f"object, not {type(source).__name__}") from None
+        if mmap:
+            raise ValueError("mmap=True maps a file: pass its path, not a file object") from None
+        source, mmap = source.read(), None  # the reader's own bytes
+        if not isinstance(source, bytes):
+            raise TypeError(f"kvwire.open() needs a binary file object (mode 'rb'); read() gave "
+                            f"{type(source).__name__}") from None
     if mmap:
         raise ValueError("mmap=True maps a file: pass a path, or a buffer with mmap=None/False")
     return Reader(bytes(source) if mmap is False else source, max_decoded_bytes=max_decoded_bytes)
@@ -338,8 +409,9 @@ def open(source, *, mmap: bool | None = None,  # noqa: A001
 
 def load(source, *, device=None, backend: str | None = None, verify: bool = True, mmap: bool | None = None,
          max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
-    """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``);
-    ``mmap`` as for ``open``."""
+    """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``) from a
+    path, bytes-like object or binary file object (as for ``open``); ``mmap`` as for ``open``;
+    ``device`` ("cpu", "cuda:0", ...) implies ``backend="torch"``."""
     if backend is None:
         backend = "torch" if device is not None else "numpy"
     check_choice("backend", backend, BACKENDS)

@@ -7,10 +7,10 @@ spec stages (byteplane_zstd; fp8 and int_affine), ``pipeline`` decodes any chunk
 """
 
 from . import byteplane, quant
-from .choice import CodecPlan
+from .choice import CodecGrowthWarning, CodecPlan, check_codec_map
 from .pipeline import decode_chunk, lossy_range
 from .presets import PRESETS, resolve
 from .zstd import DEFAULT_ZSTD_LEVEL, BodyEncoder, decode_body
 
-__all__ = ["BodyEncoder", "CodecPlan", "DEFAULT_ZSTD_LEVEL", "PRESETS", "byteplane", "decode_body", "decode_chunk",
-           "lossy_range", "quant", "resolve"]
+__all__ = ["BodyEncoder", "CodecGrowthWarning", "CodecPlan", "DEFAULT_ZSTD_LEVEL", "PRESETS", "byteplane", "check_codec_map", "decode_body",
+           "decode_chunk", "lossy_range", "quant", "resolve"]

@@ -52,12 +52,15 @@ class CodecPlan:
         if callable(codec) and not isinstance(codec, (str, CodecSpec, dict)):
             pick = codec
         elif isinstance(codec, dict) and not set(codec) <= set(R.COMPONENTS):
+            check_codec_map(header, codec)
             pick = lambda layer, comp, t0: codec.get((layer, comp), codec.get(comp, codec.get(None, "raw")))  # noqa: E731
         else:  # the same for every chunk of a component: no per-chunk table
             pick = None
             used = dict.fromkeys(comp for s_ in header.arch.layers for comp in s_.components)
             if sparse:
                 used["positions"] = None
+            if isinstance(codec, dict) and codec and not set(codec) & set(used):
+                check_codec_map(header, codec)
             self._by_comp = {comp: index(codec, comp, strict=False) for comp in used}
         if pick is not None:  # keyed (layer, component, token_start, head); head 0 in dense containers
             # sparse: per-head cells (KVW-SPARSE-7); a callable taking ``head`` also gets the head
@@ -109,6 +112,28 @@ class CodecPlan:
         """zstd when its frame is shorter, else raw (KVW-CHUNK-6)."""
         frame = self._zstd.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         return ("zstd", 0, [frame]) if len(frame) < raw_length else ("raw", 0, pieces)
+
+
+class CodecGrowthWarning(UserWarning):
+    """A codec stored a cache in more bytes than its raw elements (e.g. kivi2 on a short cache,
+    whose last 128 tokens stay in full precision): write it raw, or pick a codec of docs/codecs.md."""
+
+
+def check_codec_map(header, codec: dict) -> None:
+    """ValueError for a key of a ``{(layer, component): codec}`` map that matches no chunk of
+    ``header`` (a mistyped key would otherwise leave those chunks raw, silently)."""
+    comps = dict.fromkeys(c for s in header.arch.layers for c in s.components)
+    if header.sparse is not None:
+        comps["positions"] = None
+    pairs = {(i, c) for i, s in enumerate(header.arch.layers) for c in s.components}
+    if header.sparse is not None:  # every sparse layer's cells carry positions (spec/sparse.md)
+        pairs |= {(i, "positions") for i, s in enumerate(header.arch.layers) if set(s.components) - {"state"}}
+    bad = [k for k in codec if not (k is None or k in comps or (isinstance(k, tuple) and k in pairs))]
+    if bad:
+        raise ValueError(
+            f"codec map key(s) {', '.join(map(repr, bad))} match no chunk of this cache; the keys are None (every "
+            f"other chunk), a component ({', '.join(map(repr, comps))}) or a (layer, component) pair with layer in "
+            f"[0, {header.num_layers}) and one of that layer's components, e.g. (0, {next(iter(comps), 'k')!r})")
 
 
 def _takes_head(pick) -> bool:

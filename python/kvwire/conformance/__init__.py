@@ -16,7 +16,9 @@ reference implementation of its subprocess protocol.
   runs the models (also for ``kvwire demo``).
 
 The vectors themselves live in the source tree (``conformance/vectors/<version>/``);
-``conformance/PROTOCOL.md`` is the normative description of the protocol.
+``conformance/PROTOCOL.md`` is the normative description of the protocol. A wheel carries
+both as package data (``data/``, copied there by setup.py), so the kit runs from an
+installed package with no checkout; a checkout's copy is found first.
 """
 
 from .drivers import CommandImpl, ReferenceImpl, default_impl_argv

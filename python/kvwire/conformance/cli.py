@@ -9,7 +9,7 @@ from pathlib import Path
 from .drivers import CommandImpl, default_impl_argv
 from .results import LEVELS
 from .runner import Runner
-from .vectors import find_vectors_root, load_vector_sets
+from .vectors import find_protocol, find_vectors_root, load_vector_sets
 from ..tools.cliargs import positive, positive_float
 
 
@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="command line of an implementation of the protocol (repeatable); "
                         "default: the reference codec (`kvwire conformance impl`)")
     r.add_argument("--vectors", metavar="DIR", help="a version folder (with manifest.json) or the folder of "
-                   "version folders; default: conformance/vectors of the source tree")
+                   "version folders; default: conformance/vectors of the checkout here or above, "
+                   "else the copy the installed package carries")
     r.add_argument("--junit", metavar="FILE", help="write JUnit XML here")
     r.add_argument("--markdown", metavar="FILE", help="write a Markdown report here")
     r.add_argument("--levels", type=_levels, default=LEVELS, metavar="L1,L2",
@@ -102,8 +103,11 @@ def cmd_run(args) -> int:
 
     root = Path(args.vectors) if args.vectors else find_vectors_root()
     if root is None:
-        print("no conformance/vectors found here or above; pass --vectors DIR", file=sys.stderr)
+        print("no conformance/vectors found here or above, and the installed kvwire carries none (an editable "
+              "install outside its checkout?); pass --vectors DIR", file=sys.stderr)
         return 2
+    protocol = find_protocol(root)
+    print(f"vectors: {root}" + (f"  (protocol: {protocol})" if protocol else ""), flush=True)
     try:
         sets = load_vector_sets(root)
     except (OSError, ValueError) as exc:

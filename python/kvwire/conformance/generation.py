@@ -15,7 +15,9 @@ import warnings
 
 import numpy as np
 
-INSTALL_HINT = "pip install 'kvwire[hf]' torch  (transformers >= 5, torch >= 2.4)"
+# torch from its CPU index: the default torch wheel on PyPI is a multi-GB CUDA build.
+INSTALL_HINT = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+                "pip install 'transformers>=5.24,<6'")
 
 
 class MissingDependency(RuntimeError):

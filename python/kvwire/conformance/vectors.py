@@ -112,14 +112,29 @@ def load_vector_sets(path) -> list[VectorSet]:
     return [load_vector_set(d) for d in dirs]
 
 
+# Where a wheel carries the kit: setup.py copies conformance/vectors and PROTOCOL.md here.
+PACKAGE_DATA = Path(__file__).resolve().parent / "data"
+
+
 def find_vectors_root(start=None) -> Path | None:
-    """conformance/vectors of the source tree: above ``start`` (default: the working
-    directory), else above this package (an editable install in a checkout)."""
+    """The gold vectors: conformance/vectors of a checkout above ``start`` (default: the
+    working directory), else above this package (an editable install in a checkout), else
+    the copy an installed wheel carries (``PACKAGE_DATA``); None when there is none."""
     for base in (Path(start or os.getcwd()).resolve(), Path(__file__).resolve()):
         for d in (base, *base.parents):
             cand = d / "conformance" / "vectors"
             if cand.is_dir():
                 return cand
+    shipped = PACKAGE_DATA / "vectors"
+    return shipped if shipped.is_dir() else None
+
+
+def find_protocol(vectors_root) -> Path | None:
+    """PROTOCOL.md beside a vectors folder (a checkout's conformance/ or the wheel's copy)."""
+    for d in (Path(vectors_root), *Path(vectors_root).parents[:2]):
+        cand = d / "PROTOCOL.md"
+        if cand.is_file():
+            return cand
     return None
 
 

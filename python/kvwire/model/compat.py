@@ -5,8 +5,9 @@ described by ``local`` can use the cache: *exact* (use as is), *convertible* (us
 the listed conversions) or *incompatible* (with every reason, not just the first, so an
 operator sees the whole picture at once). Reasons and conversions are strings that start
 with a stable area word ("tokenizer:", "weights:", "layer 3:", "positions:", "scales:",
-"cast ", "recompute ", "rescale ", "foreign layers") followed by free text. The "dtype:"
-and "scales:" reasons say how to get past them (the option to pass, or what to load).
+"cast ", "recompute ", "rescale ", "foreign layers") followed by free text. The "dtype:",
+"scales:" and missing-fingerprint reasons say how to get past them (the option to pass, and
+what it gives up). ``Verdict.notes`` say what changes no status ("lossy: ...").
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from .identity import FINGERPRINT_SCHEME, compat_fingerprint
 from .rescale import check_scales
 
 EXACT, CONVERTIBLE, INCOMPATIBLE = "exact", "convertible", "incompatible"
+# identity parts whose fingerprint a receiver may let be absent on one side (LocalModel.allow_missing)
+FINGERPRINT_PARTS = ("tokenizer", "model")
+_GIVES_UP = {"tokenizer": "the tokenizer check only",
+             "model": "the model check (weights, config, compat) only; the tokenizer is still compared"}
 
 @dataclass(frozen=True)
 class LocalModel:
@@ -37,7 +42,9 @@ class LocalModel:
     checked like ``Header.kv_scales`` (KVW-SCALE-2..5); None states none, and a scaled cache is
     then refused (KVW-XM-10). ``accept_rescale``: layers whose scales differ from the
     cache's are requantized on load ("rescale layers", ``kvwire.model.rescale.rescale_cache``)
-    rather than refused.
+    rather than refused. ``allow_missing``: identity parts ("tokenizer", "model") whose
+    fingerprint may be absent on one side (KVW-XM-3, KVW-XM-4); absent on both sides is never
+    a reason. ``require_fingerprints=False`` allows both parts to be missing.
     """
 
     arch: Architecture
@@ -50,12 +57,22 @@ class LocalModel:
     first_position: int | None = None
     allow_recompute: bool = True
     accept_layer_map: bool = True
-    require_fingerprints: bool = True
+    require_fingerprints: bool = True  # False: allow_missing=FINGERPRINT_PARTS (KVW-XM-3, KVW-XM-4)
+    allow_missing: frozenset[str] = frozenset()  # parts whose fingerprint may be absent on one side
     accept_foreign_weights: bool = False  # under a layer map, use layers other weights computed (KVW-XM-6)
     kv_scales: tuple | None = None  # 1.1: the receiver's per-layer fp8 scales (KVW-XM-10)
     accept_rescale: bool = True  # requantize layers whose scales differ (KVW-SCALE-7)
 
     def __post_init__(self):
+        allow = self.allow_missing
+        if isinstance(allow, str) or not all(isinstance(p, str) for p in allow):
+            raise TypeError(f"LocalModel allow_missing must be a set of part names "
+                            f"({', '.join(FINGERPRINT_PARTS)}), not {allow!r}")
+        unknown = sorted(set(allow) - set(FINGERPRINT_PARTS))
+        if unknown:
+            raise ValueError(f"LocalModel allow_missing: unknown part(s) {', '.join(map(repr, unknown))}; "
+                             f"the parts are {', '.join(map(repr, FINGERPRINT_PARTS))}")
+        object.__setattr__(self, "allow_missing", frozenset(allow))
         if self.kv_scales is not None:
             if not isinstance(self.arch, Architecture):
                 raise TypeError(f"LocalModel arch must be a kvwire.Architecture, not {type(self.arch).__name__}")
@@ -65,9 +82,14 @@ class LocalModel:
 
 @dataclass(frozen=True)
 class Verdict:
+    """``status`` exact / convertible / incompatible; ``conversions`` to apply on load; ``reasons``
+    for a refusal; ``notes``: facts that change no status, e.g. "lossy: ..." when the cache's
+    values went through a lossy codec (decoded they are close to, not equal to, the sender's)."""
+
     status: str
     conversions: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return self.status != INCOMPATIBLE
@@ -122,16 +144,16 @@ def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, convers
             reasons.append(f"identity: {who} fingerprint scheme {ident.fingerprint_scheme} is not known")
             return
 
-    def compare(what: str, a: bytes, b: bytes) -> bool | None:
+    def compare(what: str, a: bytes, b: bytes, part: str = "model") -> bool | None:
         if a and b:
             if a != b:
                 reasons.append(f"{what}: fingerprints differ")
             return a == b
-        if local.require_fingerprints:
-            reasons.append(f"{what}: fingerprint missing on the {'sender' if not a else 'receiver'} side")
+        if a or b:  # absent on both sides: nothing to compare, no mismatch (KVW-XM-3, KVW-XM-4)
+            _missing(what, "receiver" if a else "sender", part, local, reasons)
         return None
 
-    compare("tokenizer", m.tokenizer_fingerprint, lm.tokenizer_fingerprint)
+    compare("tokenizer", m.tokenizer_fingerprint, lm.tokenizer_fingerprint, "tokenizer")
     if m.compat_fingerprint and m.compat_fingerprint == lm.compat_fingerprint:
         return
     # differing weights or config: reasons, or under a layer map "foreign layers" if the receiver opts in
@@ -139,9 +161,8 @@ def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, convers
     if mapped and _mapped_layer_weights(h, local, foreign):
         pass
     elif not (m.compat_fingerprint and lm.compat_fingerprint):
-        if local.require_fingerprints:
-            side = "sender" if not m.compat_fingerprint else "receiver"
-            reasons.append(f"compat: fingerprint missing on the {side} side")
+        if m.compat_fingerprint or lm.compat_fingerprint:  # both absent: neither side states a model
+            _missing("compat", "sender" if not m.compat_fingerprint else "receiver", "model", local, reasons)
         return
     else:
         if m.config_fingerprint and lm.config_fingerprint and m.config_fingerprint != lm.config_fingerprint:
@@ -151,9 +172,9 @@ def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, convers
                 foreign.append("weights: fingerprints differ")
             else:
                 _weights(h, local, reasons, conversions)
-        elif not m.weights_fingerprint or not lm.weights_fingerprint:
+        elif bool(m.weights_fingerprint) != bool(lm.weights_fingerprint):
             compare("weights", m.weights_fingerprint, lm.weights_fingerprint)
-        else:  # same weights: if the sender's own parts do not give its compat fingerprint, its
+        else:  # same (or on both sides no) weights: if the sender's own parts do not give its compat
             expect = compat_fingerprint(h.arch, local.dtype, tokenizer=m.tokenizer_fingerprint,
                                         weights=m.weights_fingerprint, config=m.config_fingerprint)
             if expect != m.compat_fingerprint:  # model computes keys and values in another dtype
@@ -163,6 +184,18 @@ def _identity(h: Header, local: LocalModel, mapped: bool, reasons: list, convers
         conversions.append("foreign layers: " + "; ".join(foreign))
     else:
         reasons.extend(foreign)
+
+
+def _missing(what: str, side: str, part: str, local: LocalModel, reasons: list) -> None:
+    """A fingerprint present on one side only: a reason saying how to get past it and what that
+    gives up, unless the receiver lets that part be absent (KVW-XM-3, KVW-XM-4)."""
+    if not local.require_fingerprints or part in local.allow_missing:
+        return
+    fix = ("pass the same tokenizer on both sides (kvwire.adapters.hf.identity(model, tokenizer), "
+           "hf.local_model(model, tokenizer)), or " if part == "tokenizer" else "")
+    reasons.append(f"{what}: fingerprint missing on the {side} side: {fix}pass "
+                   f"LocalModel(allow_missing={{{part!r}}}) to accept it, which gives up {_GIVES_UP[part]} "
+                   "(require_fingerprints=False gives up both the tokenizer and the model checks)")
 
 
 def _mapped_pairs(h: Header, mine: Architecture) -> list[tuple[int, int, int, int]]:
@@ -333,4 +366,15 @@ def check_compatible(header: Header, local: LocalModel) -> Verdict:
     _structure(header, local, reasons, conversions)
     _soft(header, local, reasons, conversions)
     status = INCOMPATIBLE if reasons else CONVERTIBLE if conversions else EXACT
-    return Verdict(status, tuple(conversions), tuple(reasons))
+    return Verdict(status, tuple(conversions), tuple(reasons), _lossy_notes(header))
+
+
+def _lossy_notes(h: Header) -> tuple[str, ...]:
+    """"lossy: ..." when the header lists a lossy codec spec (spec/codecs.md): the decoded values
+    approximate the sender's; no status changes, as the receiver loads them as they are."""
+    lossy = [s for s in h.codec_specs if s.lossy]
+    if not lossy:
+        return ()
+    names = ", ".join(dict.fromkeys(s.codec + (f" {s.bits}-bit" if s.codec == "int_affine" else "") for s in lossy))
+    return (f"lossy: the cache was compressed with a lossy codec ({names}): its decoded keys and values "
+            "approximate the sender's, not bit for bit",)

@@ -79,7 +79,6 @@ class LayerwiseLoad:
         self.starts = [r.header.first_position for r in self.readers]
         self.tokens = sum(r.header.token_count for r in self.readers)  # what the objects that opened hold
         self.served = self.tokens
-        self.layers_done: set[int] = set()
         self._pending: dict[int, list] = {}
         kv.counts["bytes_read"] += read[0]
         kv.counts["hits"] += len(self.readers)
@@ -197,7 +196,6 @@ class LayerwiseLoad:
                 self._cut(n, "checksum_failures")
             except FormatError:
                 self._cut(n, "corrupt")
-        self.layers_done.add(layer)
         return {c: x[:, :self.served, :] for c, x in out.items()}
 
     def load_layer(self, layer: int, out: dict | None = None) -> dict:

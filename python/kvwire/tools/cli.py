@@ -19,6 +19,7 @@ from ..cache.files import open as kv_open
 from .cliargs import count, positive
 from .synth import synth_cache
 from ..cache.files import save
+from ..version import __version__
 
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
@@ -111,16 +112,40 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_validate(args) -> int:
+def _validate_one(name: str) -> dict:
+    """One file's verdict: valid, or the error code (None: unreadable, a usage error)."""
     try:
-        with kv_open(args.file) as r:
+        source = sys.stdin.buffer.read() if name == "-" else name
+        with kv_open(source) as r:
             r.validate()
     except FormatError as exc:
-        print(exc.code, file=sys.stderr)
-        print(f"{args.file}: {exc}", file=sys.stderr)
-        return 1
-    print(f"{args.file}: valid")
-    return 0
+        return dict(file=name, valid=False, code=exc.code, error=str(exc))
+    except OSError as exc:
+        return dict(file=name, valid=False, code=None, error=_os_message(exc))
+    return dict(file=name, valid=True, code=None, error=None)
+
+
+def cmd_validate(args) -> int:
+    """Every file in turn (``-``: stdin, once); exit 0 if all are valid, 1 if any breaks a
+    rule, 2 if any could not be read."""
+    if args.file.count("-") > 1:
+        raise ValueError("'-' (stdin) can be given once")
+    results = [_validate_one(name) for name in args.file]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for res in results:
+            label = "<stdin>" if res["file"] == "-" else res["file"]
+            if res["valid"]:
+                print(f"{label}: valid")
+            elif res["code"] is None:
+                print(f"kvwire validate: error: {res['error']}", file=sys.stderr)
+            else:
+                print(res["code"], file=sys.stderr)
+                print(f"{label}: {res['error']}", file=sys.stderr)
+    if any(not r["valid"] and r["code"] is None for r in results):
+        return EXIT_USAGE
+    return EXIT_INVALID if any(not r["valid"] for r in results) else EXIT_OK
 
 
 def cmd_synth(args) -> int:
@@ -140,17 +165,31 @@ def cmd_demo(args) -> int:
     return demo.run(args.layers, args.tokens, args.new_tokens)
 
 
+def version_text() -> str:
+    """``kvwire --version``: the package and the format versions it reads and writes."""
+    from ..store.keys import KEY_VERSION
+
+    return (f"kvwire {__version__}\n"
+            f"container format {R.FORMAT_MAJOR}.{R.FORMAT_MINOR}-{R.FORMAT_MAJOR}.{R.FORMAT_MINOR_IMPLEMENTED} "
+            f"(spec/kvwire-v1.md; writes {R.FORMAT_MAJOR}.{R.FORMAT_MINOR} unless a 1.{R.FORMAT_MINOR_IMPLEMENTED} "
+            f"feature is used)\nstore keys {KEY_VERSION} (spec/store.md)")
+
+
 def main(argv=None) -> int:
     p = _Parser(prog="kvwire", description="kvwire KV-cache container tool", epilog=EXIT_STATUSES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=version_text())
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("inspect", help="print a container's header and chunk summary")
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_inspect)
-    s = sub.add_parser("validate", help="check every byte; exit 1 with the error code on stderr if invalid",
+    s = sub.add_parser("validate", help="check every byte of each file; exit 1 with the error code on stderr if any "
+                                        "is invalid",
                        epilog=EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("file")
+    s.add_argument("file", nargs="+", help="container files; - reads one from stdin")
+    s.add_argument("--json", action="store_true",
+                   help="a JSON list on stdout, one {file, valid, code, error} per file (exit status as without)")
     s.set_defaults(func=cmd_validate)
     s = sub.add_parser("synth", help="write a seeded synthetic cache")
     s.add_argument("-o", "--output", required=True)
@@ -180,11 +219,12 @@ def main(argv=None) -> int:
     from .plan_cli import configure_cli as configure_plan
 
     configure_fidelity(sub.add_parser("fidelity", help="bits per element and model-level fidelity of codecs"))
-    configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table"))
+    configure_plan(sub.add_parser("plan", help="load or recompute: per-chunk decision table (codec names, a .kvw "
+                                                  "file, --json)"))
     from .store_cli import configure_cli as configure_store
 
     configure_store(sub.add_parser("store", help="a KV store (--url file://DIR): stats, ls, inspect KEY, gc"))
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # argparse ignores a failed write of --help / --version itself
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

@@ -196,7 +196,9 @@ def run(layers: int | None = None, tokens: int | None = None, new_tokens: int = 
         from ..adapters import hf  # noqa: F401
     except ImportError as exc:
         print(f"kvwire demo: the end-to-end demo needs torch and transformers ({exc}).")
-        print("  install them with:  pip install 'kvwire[hf]' torch   -- running the synthetic demo instead")
+        from ..conformance.generation import INSTALL_HINT
+
+        print(f"  install them with:  {INSTALL_HINT}\n  (torch's CPU build) -- running the synthetic demo instead")
         return synthetic(layers or 32, tokens or 2048)
     from ..conformance.crossmodel_receiver import subprocess_env
 

@@ -27,6 +27,7 @@ from ..cache.kvcache import KVCache
 from ..cache.files import load
 from ..cache.tensors import as_numpy, dtype_name
 from .cliargs import count, positive
+from .progress import Progress
 from ..cache.encoder import encode
 
 BF16_BITS = 16
@@ -200,13 +201,16 @@ def model_metrics(hook: ModelHook, ref: Sequence[KVCache], test: Sequence[KVCach
 
 
 def evaluate(caches: Sequence[KVCache], codecs: Sequence[str], *, hook: ModelHook | None = None,
-             continuation: np.ndarray | None = None, greedy_tokens: int = 32, **encode_opts) -> list:
+             continuation: np.ndarray | None = None, greedy_tokens: int = 32, on_codec=None, **encode_opts) -> list:
     """A ``CodecResult`` per codec: size, tensor errors and (with a hook) model metrics.
 
-    ``codecs``: names/presets, or (label, codec) pairs for anything else ``encode`` takes."""
+    ``codecs``: names/presets, or (label, codec) pairs for anything else ``encode`` takes;
+    ``on_codec(label)`` is called before each (progress)."""
     out, ref_out = [], {}
     for item in codecs:
         label, codec = item if isinstance(item, tuple) else (item, item)
+        if on_codec is not None:
+            on_codec(label)
         res, decoded = roundtrip(caches, codec, label=label, **encode_opts)
         if hook is not None:
             res.model = model_metrics(hook, caches, decoded, continuation, greedy_tokens=greedy_tokens,
@@ -367,6 +371,7 @@ def configure_cli(p) -> None:
     p.add_argument("--greedy", type=count, default=32, help="greedy tokens compared (0: skip)")
     p.add_argument("--seed", type=count, default=0)
     p.add_argument("--json", help="also write the results as JSON to this path")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (shown only on a terminal)")
     p.set_defaults(func=cmd_fidelity)
 
 
@@ -386,7 +391,9 @@ def cmd_fidelity(args) -> int:
         hook, cont = HFHook(model), ids[:, args.prompt_tokens:]
     else:
         raise SystemExit("kvwire fidelity: give --cache FILE, or --model DIR and --text FILE")
-    results = evaluate(caches, codecs, hook=hook, continuation=cont, greedy_tokens=args.greedy)
+    bar = Progress(len(codecs), "fidelity", quiet=args.quiet)  # stderr, a terminal only
+    results = evaluate(caches, codecs, hook=hook, continuation=cont, greedy_tokens=args.greedy, on_codec=bar.step)
+    bar.done()
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
