@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch: take the pinned CPU wheel first; a bare `torch` requirement would resolve to a CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench]'  # the test extra brings setuptools>=77: tests/test_wheel.py builds without isolation
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml
