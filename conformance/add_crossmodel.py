@@ -31,15 +31,7 @@ JAMBA = LayerSpec("state", state_tensors=(StateTensor("conv", (1, 4, 3)), StateT
 
 def _cache(h: Header, seed: int) -> kvwire.KVCache:
     """Random tensors (arbitrary bit patterns) for every stored tensor, state tensors included."""
-    rng = np.random.default_rng(seed)
-    layers = []
-    for s, r in zip(h.arch.layers, h.layer_tokens):
-        if s.kind == "state":
-            layers.append({"state": {t.name: forge.random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}
-                           if h.token_count else {}})
-        else:
-            layers.append({c: forge.random_tensor(rng, s.shape(c, r.count), h.dtype) for c in s.components})
-    return kvwire.KVCache(h, layers)
+    return forge.random_cache(h, seed)
 
 
 def _toy_identity(arch: Architecture, dtype: str) -> kvwire.ModelIdentity:

@@ -69,6 +69,20 @@ def random_tensor(rng: np.random.Generator, shape, dtype: str, *, compressible: 
     return raw.view(np_dtype).reshape(shape)
 
 
+def random_cache(h, seed: int) -> kvwire.KVCache:
+    """A cache of header ``h`` over arbitrary bit patterns, state tensors included (the
+    conformance generators and the tests draw them the same way, so vectors reproduce)."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for s, r in zip(h.arch.layers, h.layer_tokens):
+        if s.kind == "state":
+            layers.append({"state": {t.name: random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}
+                           if h.token_count else {}})
+        else:
+            layers.append({c: random_tensor(rng, s.shape(c, r.count), h.dtype) for c in s.components})
+    return kvwire.KVCache(h, layers)
+
+
 def small_cache(layers: int = 2, heads: int = 2, head_dim: int = 8, tokens: int = 40, *, dtype: str = "f16",
                 chunk_tokens: int = 16, seed: int = 0, compressible: bool = True, head_dim_v: int | None = None,
                 **header_fields) -> kvwire.KVCache:

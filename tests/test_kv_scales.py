@@ -56,16 +56,7 @@ def container(h: Header) -> bytes:
     return forge.wrap_header(forge.header_of(h), minor=h.format_minor)
 
 
-def random_cache(h: Header, seed: int) -> kvwire.KVCache:
-    rng = np.random.default_rng(seed)
-    layers = []
-    for s, r in zip(h.arch.layers, h.layer_tokens):
-        if s.kind == "state":
-            layers.append({"state": {t.name: forge.random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}
-                           if h.token_count else {}})
-        else:
-            layers.append({c: forge.random_tensor(rng, s.shape(c, r.count), h.dtype) for c in s.components})
-    return kvwire.KVCache(h, layers)
+random_cache = forge.random_cache
 
 
 def preamble_minor(data: bytes) -> int:
