@@ -36,15 +36,7 @@ SCALES = ((0.0234375, 0.01171875), (0.10000000149011612, 0.5), (3.5, 0.0078125))
 
 def _cache(h: Header, seed: int, *, compressible: bool = False) -> kvwire.KVCache:
     """Arbitrary fp8 bit patterns (NaN, infinities of e5m2, -0, subnormals) for every stored tensor."""
-    rng = np.random.default_rng(seed)
-    layers = []
-    for s, r in zip(h.arch.layers, h.layer_tokens):
-        if s.kind == "state":
-            layers.append({"state": {t.name: forge.random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}})
-        else:
-            layers.append({c: forge.random_tensor(rng, s.shape(c, r.count), h.dtype, compressible=compressible)
-                           for c in s.components})
-    return kvwire.KVCache(h, layers)
+    return forge.random_cache(h, seed, compressible=compressible)
 
 
 def _scaled(arch, scales, *, dtype="f8_e4m3fn", tokens=20, chunk_tokens=8, **kw) -> Header:

@@ -69,9 +69,10 @@ def random_tensor(rng: np.random.Generator, shape, dtype: str, *, compressible: 
     return raw.view(np_dtype).reshape(shape)
 
 
-def random_cache(h, seed: int) -> kvwire.KVCache:
+def random_cache(h, seed: int, *, compressible: bool = False) -> kvwire.KVCache:
     """A cache of header ``h`` over arbitrary bit patterns, state tensors included (the
-    conformance generators and the tests draw them the same way, so vectors reproduce)."""
+    conformance generators and the tests draw them the same way, so vectors reproduce);
+    ``compressible`` applies to the K/V/LATENT tensors only."""
     rng = np.random.default_rng(seed)
     layers = []
     for s, r in zip(h.arch.layers, h.layer_tokens):
@@ -79,7 +80,8 @@ def random_cache(h, seed: int) -> kvwire.KVCache:
             layers.append({"state": {t.name: random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}
                            if h.token_count else {}})
         else:
-            layers.append({c: random_tensor(rng, s.shape(c, r.count), h.dtype) for c in s.components})
+            layers.append({c: random_tensor(rng, s.shape(c, r.count), h.dtype, compressible=compressible)
+                           for c in s.components})
     return kvwire.KVCache(h, layers)
 
 

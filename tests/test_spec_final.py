@@ -102,14 +102,7 @@ def test_hdr4_empty_vector_elements_are_aligned():
 # ---------------------------------------------------------------------------------------
 
 def _cache(h: Header, seed: int) -> kvwire.KVCache:
-    rng = np.random.default_rng(seed)
-    layers = []
-    for s, r in zip(h.arch.layers, h.layer_tokens):
-        if s.kind == "state":
-            layers.append({"state": {t.name: forge.random_tensor(rng, t.shape, t.dtype) for t in s.state_tensors}})
-        else:
-            layers.append({c: forge.random_tensor(rng, s.shape(c, r.count), h.dtype) for c in s.components})
-    return kvwire.KVCache(h, layers)
+    return forge.random_cache(h, seed)
 
 
 def test_stream8_segments_with_state_layers_take_the_last_state():
