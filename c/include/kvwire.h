@@ -574,6 +574,27 @@ kvw_code kvw_writer_add_head(kvw_writer *w, uint32_t layer, int component, int h
                              kvw_error *err);
 /* ==== end writing ==== */
 
+/* ==== FFI additions ==== */
+/* For foreign callers (ctypes, cffi) that hold a header as bytes and chunks as wire
+ * records. kvw_header_new copies the FlatBuffer, parses and checks it (kvw_header_parse);
+ * free it with kvw_header_delete (only headers from kvw_header_new). kvw_decode_wire
+ * decodes one stored body (stored_len == the record's stored_length, out_len >= its
+ * raw_length; KVW_ERR_INVALID_ARGUMENT otherwise) as kvw_decode_body does, without the
+ * checksum. The header is only read: calls over one header may run on many threads.
+ * kvw_error_size is sizeof(kvw_error), for callers that mirror the struct. */
+kvw_code kvw_header_new(const uint8_t *fb, size_t len, kvw_header **out, kvw_error *err);
+void kvw_header_delete(kvw_header *h);
+/* Reusable decoding scratch (a zstd context and a body buffer) for kvw_decode_wire: one per
+ * thread, owned by the caller. ctx NULL decodes without reuse (kvw_decode_body). */
+typedef struct kvw_decode_ctx kvw_decode_ctx;
+kvw_code kvw_decode_ctx_new(kvw_decode_ctx **out, kvw_error *err);
+void kvw_decode_ctx_free(kvw_decode_ctx *ctx);
+kvw_code kvw_decode_wire(kvw_decode_ctx *ctx, const kvw_header *h,
+                         const uint8_t record[KVW_RECORD_SIZE], const uint8_t *stored,
+                         size_t stored_len, void *out, size_t out_len, kvw_error *err);
+size_t kvw_error_size(void);
+/* ==== end FFI ==== */
+
 #ifdef __cplusplus
 }
 #endif

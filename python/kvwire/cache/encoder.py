@@ -59,7 +59,7 @@ class Encoder:
             raise ValueError(f"readers would reject this header ({exc.code}, {exc.rule}): {exc}") from None
         self._table = ChunkTable.of(header)
         self._filled = np.zeros(self._table.total, bool)
-        self._records: list[np.ndarray] = []
+        self._records: list[bytes] = []  # RECORD_STRUCT-packed, in emission order
         self._pos = 0
         self._state = "new"
         self._order = PositionOrder(header.chunk_tokens) if header.sparse is not None else None
@@ -105,11 +105,7 @@ class Encoder:
             raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
         self._filled[slot] = True
 
-        # one piece per head (a token slice of a [heads, T, dim] tensor is contiguous per head), viewed
-        # as unsigned integers of the same width, which export the buffer protocol for any dtype
-        pieces = [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B")
-                  for hd in as_uint(x)]
-        return self._emit(layer, component, token_start, n, 0, x.shape[0], pieces, x=x)
+        return self._emit(layer, component, token_start, n, 0, x.shape[0], body_pieces(as_uint(x)), x=x)
 
     def state_chunk(self, layer: int, index: int, data) -> list:
         """Buffers of state tensor ``index`` of state layer ``layer`` (spec/crossmodel.md, KVW-STATE-7)."""
@@ -180,17 +176,22 @@ class Encoder:
             stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
-        hasher = xxhash.xxh3_64()
-        for p in stored:
-            hasher.update(p)
+        if len(stored) == 1:
+            checksum = xxhash.xxh3_64_intdigest(stored[0])
+        else:
+            hasher = xxhash.xxh3_64()
+            for p in stored:
+                hasher.update(p)
+            checksum = hasher.intdigest()
         stored_length = raw_length if stored is pieces else sum(memoryview(p).nbytes for p in stored)
 
         frame_at = next_frame_offset(self._pos, h.alignment)
-        rec = np.frombuffer(RECORD_STRUCT.pack(
-            frame_at + FRAME_SIZE, stored_length, raw_length, hasher.intdigest(), token_start, n, layer,
-            R.COMPONENTS[component], R.CODECS[codec], 0, head_start, head_count, codec_spec, 0), RECORD_DTYPE)[0]
+        rec = RECORD_STRUCT.pack(  # the record's bytes (RECORD_DTYPE): no numpy scalar per chunk
+            frame_at + FRAME_SIZE, stored_length, raw_length, checksum, token_start, n, layer,
+            R.COMPONENTS[component], R.CODECS[codec], 0, head_start, head_count, codec_spec, 0)
         self._records.append(rec)
-        out = [bytes(frame_at - self._pos) + build_frame(rec), *stored]
+        frame = build_frame(memoryview(rec))
+        out = [bytes(frame_at - self._pos) + frame if frame_at > self._pos else frame, *stored]
         self._pos = frame_at + FRAME_SIZE + stored_length
         return out
 
@@ -201,7 +202,7 @@ class Encoder:
             missing = int(np.argmin(self._filled))
             raise ValueError(f"{int((~self._filled).sum())} chunks were never written (first missing slot {missing})")
         self._state = "done"
-        records = np.array(self._records, RECORD_DTYPE) if self._records else np.zeros(0, RECORD_DTYPE)
+        records = np.frombuffer(b"".join(self._records), RECORD_DTYPE).copy()
         self._warn_growth(records)
         frame_at = next_frame_offset(self._pos, self.header.alignment)
         out = [bytes(frame_at - self._pos) + build_end_frame(len(records), xxh3(records.tobytes()))]
@@ -227,6 +228,15 @@ class Encoder:
     def _expect(self, state: str, call: str) -> None:
         if self._state != state:
             raise RuntimeError(f"Encoder.{call}() called in state {self._state!r}")
+
+
+def body_pieces(u: np.ndarray) -> list:
+    """The raw body of a [heads, tokens, dim] integer view as byte memoryviews, one per head
+    (a token slice is contiguous within each head): zero-copy views of the caller's tensor
+    (tests/test_offload.py counts them). The usual layout is tested once for all heads."""
+    if u.strides[2] == u.itemsize and (u.shape[1] == 1 or u.strides[1] == u.shape[2] * u.itemsize):
+        return [memoryview(u[h]).cast("B") for h in range(u.shape[0])]
+    return [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B") for hd in u]
 
 
 def _caller_level() -> int:

@@ -15,11 +15,9 @@ import builtins
 import errno
 import io
 import os
-import queue
 import secrets
 import socket
 import stat
-import threading
 
 import xxhash
 
@@ -30,64 +28,7 @@ from .encoder import iter_buffers
 from .kvcache import KVCache
 from .reader import Reader
 from .source import map_file, only_this_user_can_write, open_regular, read_all
-
-
-def write_all(fd: int, buffers, *, batch_bytes: int = 8 << 20) -> int:
-    """writev every buffer in order; returns bytes written.
-
-    Buffers are grouped into batches of about ``batch_bytes`` that a second thread
-    writes while this one produces (and checksums) the next batch: ``os.writev``
-    releases the GIL, so hashing and the kernel copy overlap.
-    """
-    iov_max = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-    batches: queue.Queue = queue.Queue(maxsize=2)
-    failure: list[BaseException] = []
-
-    def drain() -> None:
-        while (batch := batches.get()) is not None:
-            if not failure:
-                try:
-                    _writev(fd, batch)
-                except BaseException as exc:  # reported to the producer below
-                    failure.append(exc)
-
-    writer = threading.Thread(target=drain, name="kvwire-writev", daemon=True)
-    writer.start()
-    total, batch, size = 0, [], 0
-    try:
-        for buf in buffers:
-            if failure:
-                break
-            mv = memoryview(buf).cast("B")
-            if mv.nbytes:
-                batch.append(mv)
-                size += mv.nbytes
-            if len(batch) >= iov_max or size >= batch_bytes:
-                batches.put(batch)
-                total += size
-                batch, size = [], 0
-        if batch and not failure:
-            batches.put(batch)
-            total += size
-    finally:
-        batches.put(None)
-        writer.join()
-    if failure:
-        raise failure[0]
-    return total
-
-
-def _writev(fd: int, batch: list) -> int:
-    written = 0
-    while batch:
-        n = os.writev(fd, batch)
-        written += n
-        while batch and n >= batch[0].nbytes:
-            n -= batch[0].nbytes
-            batch.pop(0)
-        if batch and n:
-            batch[0] = batch[0][n:]
-    return written
+from .writev import write_all
 
 
 # -- atomic writes (KVW-FILE-6, KVW-WRITE-3 to 5) ----------------------------------------

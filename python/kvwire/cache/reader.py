@@ -26,7 +26,7 @@ from ..format.header import Header
 from ..format.state import STATE, state_tensor_of
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from .args import BACKENDS, check_choice, check_count, check_device, check_index
-from .tensors import as_numpy, as_uint, carve, empty, is_torch, view, writable
+from .tensors import as_numpy, as_uint, carve, copy_raw, empty, is_torch, view, writable
 
 
 def probe(first_bytes) -> Header:
@@ -97,7 +97,7 @@ class Reader:
         if marker != END_MARKER:
             raise LayoutError("MISSING_END", f"no end frame at {end_frame_at}", rule="KVW-LAYOUT-3")
         count, digest = parse_end_frame(body)
-        if count != len(self.records) or digest != xxh3(self.records.tobytes()):
+        if count != len(self.records) or digest != xxh3(np.ascontiguousarray(self.records)):
             raise LayoutError("INDEX_MISMATCH", "end frame count/digest disagree with the chunk records",
                               rule="KVW-STREAM-1")
         if self.form == "stream" and end_frame_at + FRAME_SIZE != self.size:
@@ -274,12 +274,16 @@ class Reader:
                                  f"{spec.shape(comp, r.count)}")
             on_host = not is_torch(dst) or dst.device.type == "cpu"
             host = as_numpy(dst) if on_host else None
+            host_u = as_uint(host) if on_host else None
+            base = int(self.grid.base[layer, R.COMPONENTS[comp]])
             for j in range(self.num_chunks(layer, comp)):
-                i = self.record_index(layer, comp, j)
+                i = int(self.slot_records[base + j])
                 a = self.info(i).token_start - r.start
                 if on_host and self.header.codec_specs and self.records["reserved0"][i]:
                     c, stored = self.stored(i, verify)  # a codec spec decodes straight into place
                     self.decode_stored(i, c, stored, out=as_uint(host)[:, a : a + c.token_count, :])
+                elif on_host and self.info(i).codec == "raw":  # checksum, then one copy while in cache
+                    copy_raw(self, i, verify, host_u, a)
                 elif on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
                     src = self.decode(i, verify, "numpy", scratch=True)
                     as_uint(host)[:, a : a + src.shape[1], :] = as_uint(src)

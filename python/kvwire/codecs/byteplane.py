@@ -20,6 +20,7 @@ import numpy as np
 import zstandard
 
 from ..format.errors import CodecError
+from .kernels import scratch
 from .zstd import decode_body
 
 _WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -84,8 +85,8 @@ def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None
         at += ln
         if ln > n:
             raise CodecError("DECODE_FAILED", f"plane {j}: {ln} stored bytes for {n} elements", rule=rule)
-        if ln != n:  # a zstd frame of content size n (KVW-BPZ-2)
-            piece = decode_body("zstd", piece, n)
+        if ln != n:  # a zstd frame of content size n (KVW-BPZ-2), into a reused buffer (no fresh pages)
+            piece = decode_body("zstd", piece, n, out=scratch(30 + j, n, np.uint8))
         srcs.append(np.frombuffer(piece, np.uint8))
     if isinstance(out, np.ndarray) and out.ndim > 1:  # words in place (e.g. a token slice of a layer)
         assert width in _WORD and out.dtype.itemsize == width and out.size == n and not rest

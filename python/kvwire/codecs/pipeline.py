@@ -2,16 +2,22 @@
 codec spec of spec/codecs.md (``byteplane_zstd``, ``fp8``, ``int_affine``, each with its
 chained lossless stage). A lossy pipeline's intermediate body has a length fixed by the
 chunk geometry (``quant.layout``), so its lossless stage is bounded like a zstd body.
+
+When native decoding is enabled (``codecs.native``: ``KVWIRE_NATIVE`` or ``enable()``),
+every codec but raw decodes through libkvwire instead; numpy stays the reference and the
+default, and takes any request the native path does not (an ``out`` given as pieces or
+strided).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import byteplane, quant
+from . import byteplane, native, quant
 from ..format.codec_specs import CodecSpec
-from ..format.errors import CodecError
+from ..format.errors import CodecError, FormatError
 from ..format.sparse import retained_count
+from .kernels import scratch
 from .zstd import decode_body
 
 def lossy_range(h, layer: int, head: int = 0) -> tuple[int, int]:
@@ -35,6 +41,10 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
     or (codec specs only) an array
     [heads, tokens, dim] of the dtype's width with any strides, decoded in place.
     """
+    if codec != "raw" and native.available():
+        got = _native(header, codec, spec_index, stored, raw_length, shape, layer, token_start, out, head)
+        if got is not None:
+            return got
     if not spec_index:
         return decode_body(codec, stored, raw_length, out)
     h = header
@@ -64,7 +74,8 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
 
 
 def _lossless_stage(spec: CodecSpec, stored, length: int, width: int):
-    """The lossy body (``length`` bytes) under a chunk's stored bytes (KVW-CSPEC-7)."""
+    """The lossy body (``length`` bytes) under a chunk's stored bytes (KVW-CSPEC-7); with a
+    lossless stage, a per-thread scratch buffer valid until this thread's next call."""
     n = memoryview(stored).nbytes
     if n == length:
         return stored
@@ -72,6 +83,28 @@ def _lossless_stage(spec: CodecSpec, stored, length: int, width: int):
         raise CodecError("DECODE_FAILED", f"{spec.codec} body of {n} bytes; its geometry needs {length}"
                          + ("" if spec.lossless == "raw" else " (or fewer through its lossless stage)"),
                          rule="KVW-LOSSY-2" if spec.lossless == "raw" else "KVW-CSPEC-7")
+    body = scratch(40, length, np.uint8)  # reused: the lossy decoder reads it once, right away
     if spec.lossless == "zstd":
-        return decode_body("zstd", stored, length)
-    return byteplane.decode(stored, length, width, rule="KVW-CSPEC-7")
+        return decode_body("zstd", stored, length, out=body)
+    return byteplane.decode(stored, length, width, rule="KVW-CSPEC-7", out=body)
+
+
+def _native(header, codec, spec_index, stored, raw_length, shape, layer, token_start, out, head):
+    """``decode_chunk`` through libkvwire, or None when it does not take the request."""
+    if isinstance(out, list):
+        return None
+    if isinstance(out, np.ndarray) and out.ndim == 3:
+        if tuple(out.shape) != tuple(shape) or out.dtype.itemsize != header.itemsize or not out.flags.c_contiguous:
+            return None  # numpy says what is wrong, or writes the strides
+    elif out is not None:
+        n = memoryview(out).nbytes
+        if n < raw_length or (not spec_index and n != raw_length):
+            return None  # numpy's ValueError
+    rec = native.record(header, codec, spec_index, memoryview(stored).nbytes, raw_length, shape, layer,
+                        token_start, head)
+    try:
+        return native.decode_wire(header, rec, stored, out)
+    except ValueError as exc:  # not a FormatError: an out buffer C cannot write (read-only, strided)
+        if isinstance(exc, FormatError):
+            raise
+        return None

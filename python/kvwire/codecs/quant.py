@@ -20,6 +20,7 @@ import numpy as np
 
 from ..format import registry as R
 from ..format.errors import CodecError
+from . import kernels as K
 from . import scales as SC
 from .scales import NotFaithful  # noqa: F401  (re-exported: the writer's refusal)
 
@@ -30,16 +31,16 @@ FP8 = {  # format -> (numpy dtype, largest finite value)
     "f8_e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), 240.0),
 }
 CANONICAL_NAN = {"bf16": 0x7FC0, "f16": 0x7E00, "f32": 0x7FC00000}  # KVW-LOSSY-4
-_UINT = {2: np.uint16, 4: np.uint32}  # header dtype bits, for canonical NaNs and lookups
 
 
 def fp8_table(fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """(fp32 value of each of the 256 codes, which codes are NaN)."""
-    v = np.arange(256, dtype=np.uint8).view(FP8[fmt][0]).astype(F32)
-    return v, np.isnan(v)
-
-
-_FP8_TABLES = {fmt: fp8_table(fmt) for fmt in FP8}
+    """(fp32 value of each of the 256 codes, which codes are NaN), by the decoding kernel."""
+    codes = np.arange(256, dtype=np.uint8)
+    nan, inf = K.fp8_specials(codes, fmt)
+    nan = np.zeros(256, bool) if nan is None else nan.copy()
+    v = K.fp8_times(codes, fmt, np.float32(1), nan, inf).copy()
+    v[nan] = np.nan
+    return v, nan
 
 
 def token_split(spec, t0: int, t1: int, lo: int, hi: int) -> tuple[int, int]:
@@ -150,31 +151,16 @@ def group_apply(y: np.ndarray, params: list, spec, fn) -> None:
 # ---------------------------------------------------------------------------------------
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    c = codes.reshape(-1)
-    if bits == 8:
-        return c
-    per = 8 // bits
-    pad = -len(c) % per
-    if pad:
-        c = np.concatenate([c, np.zeros(pad, np.uint8)])
-    c = c.reshape(-1, per)
-    out = c[:, 0].copy()
-    for k in range(1, per):
-        out |= c[:, k] << np.uint8(k * bits)
-    return out
+    """Codes (each < 2^bits) as bytes, least significant bits first (a fresh array)."""
+    return K.pack_codes(codes, bits)
 
 
 def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    if bits == 8:
-        return packed[:n]
-    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
-    out = np.empty((len(packed), per), np.uint8)
-    for k in range(per):
-        np.bitwise_and(packed >> np.uint8(k * bits), mask, out=out[:, k])
-    flat = out.reshape(-1)
-    if flat[n:].any():
+    """The first ``n`` codes of ``packed`` (uint8); non-zero padding bits are refused."""
+    v = K.unpack_f32(packed, bits, n)
+    if v is None:
         raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero", rule="KVW-INT-4")
-    return flat[:n]
+    return v.astype(np.uint8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,10 +169,8 @@ def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 def _to_dtype(v: np.ndarray, dtype: str, nan_mask=None) -> np.ndarray:
     """fp32 -> header dtype, round half to even; NaN results canonical (KVW-LOSSY-4)."""
-    with np.errstate(over="ignore"):  # beyond the largest finite: infinity, as specified
-        out = v.astype(R.DTYPES[dtype][2]) if dtype != "f32" else v
-    if nan_mask is not None and nan_mask.any():
-        out.view(_UINT[R.DTYPES[dtype][1]])[nan_mask] = CANONICAL_NAN[dtype]
+    out = np.empty(v.shape, R.DTYPES[dtype][2])
+    K.to_header(np.array(v, F32), dtype, out.dtype, out, nan_mask, CANONICAL_NAN[dtype])
     return out
 
 
@@ -199,7 +183,9 @@ _PARAM_RULES = {  # which parameter values a reader accepts
 
 def _params(body: np.ndarray, at: int, lay: Layout, dtype: np.dtype, rule: str, check: str):
     n = lay.param_count
-    p = body[at : at + n * lay.param_size].view(dtype.newbyteorder("<")).astype(F32).reshape(lay.groups)
+    raw = body[at : at + n * lay.param_size]
+    p = (K.f16_to_f32(raw.view("<u2")) if dtype == np.float16 else raw.view(dtype.newbyteorder("<")).astype(F32))
+    p = p.reshape(lay.groups)
     what, test = _PARAM_RULES[check]
     bad = test(p)
     if bad.any():
@@ -229,35 +215,30 @@ def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
     if not M:
         return out
     at = lay.fp_bytes
+    dst = out[:, P : P + M]
     if spec.codec == "fp8":
         scales, at = _params(b, at, lay, F32, "KVW-FP8-3", "positive")
         codes = b[at:].reshape(H, M, D)
-        table, nan = _FP8_TABLES[spec.fp8_format]
-        if spec.scale_granularity != "token":  # few scales: one 256-entry table of results per scale
-            word = _UINT.get(lay.itemsize, np.uint8)
-            dst = out.view(word)[:, P : P + M]
-            for h in range(H):
-                s = scales.reshape(-1)[h if spec.scale_granularity == "head" else 0]
-                lut = _to_dtype(table * s, dtype, nan).view(word)
-                np.take(lut, codes[h], out=dst[h], mode="clip")  # codes are < 256: clip never acts
-            return out
-        v = table[codes]
+        nan, inf = K.fp8_specials(codes, spec.fp8_format)
         s = scales.reshape({"tensor": (1, 1, 1), "head": (H, 1, 1), "token": (H, M, 1)}[spec.scale_granularity])
-        np.multiply(v, s, out=v)
-        out[:, P : P + M] = _to_dtype(v, dtype, nan[codes] if nan.any() else None)
+        v = K.fp8_times(codes, spec.fp8_format, s, nan, inf)
+        K.to_header(v, dtype, np_dtype, dst, nan, CANONICAL_NAN[dtype])
         return out
     sd = R.DTYPES[spec.scale_dtype][2]
     scales, at = _params(b, at, lay, sd, "KVW-INT-3", "nonnegative")
     zeros = None
     if lay.zeros:
         zeros, at = _params(b, at, lay, sd, "KVW-INT-3", "finite")
-    q = unpack(b[at:], spec.bits, H * M * D).reshape(H, M, D).astype(F32)
-    if spec.symmetric:
-        q -= np.float32(1 << (spec.bits - 1))
-        group_apply(q, [scales], spec, lambda blk, s: np.multiply(blk, s, out=blk))
-    else:  # two fp32 roundings, no FMA (KVW-LOSSY-3), in place
-        group_apply(q, [scales, zeros], spec, lambda blk, s, z: np.add(np.multiply(blk, s, out=blk), z, out=blk))
-    out[:, P : P + M] = _to_dtype(q, dtype)
+    q = K.unpack_f32(b[at:], spec.bits, H * M * D, (1 << (spec.bits - 1)) if spec.symmetric else 0)
+    if q is None:
+        raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero", rule="KVW-INT-4")
+    q = q.reshape(H, M, D)
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond the largest finite: infinity, as specified
+        if spec.symmetric:
+            group_apply(q, [scales], spec, lambda blk, s: np.multiply(blk, s, out=blk))
+        else:  # two fp32 roundings, no FMA (KVW-LOSSY-3), in place
+            group_apply(q, [scales, zeros], spec, lambda blk, s, z: np.add(np.multiply(blk, s, out=blk), z, out=blk))
+    K.to_header(q, dtype, np_dtype, dst)
     return out
 
 
@@ -298,12 +279,13 @@ def _int_params(y: np.ndarray, spec, dtype: str):
     with np.errstate(all="ignore"):
         if spec.symmetric:
             qmax = np.float32((1 << (b - 1)) - 1)
-            amax = group_reduce(y, spec, lambda blk, ax: np.abs(blk).max(axis=ax))
+            a = np.abs(y, out=K.scratch(19, y.shape, F32))
+            amax = group_reduce(a, spec, lambda blk, ax: K.group_extreme(blk, ax, np.maximum))
             need, z, zf, big = amax / qmax, None, np.float32(0), amax
         else:
             qmax = np.float32((1 << b) - 1)
-            mn = group_reduce(y, spec, lambda blk, ax: blk.min(axis=ax))
-            mx = group_reduce(y, spec, lambda blk, ax: blk.max(axis=ax))
+            mn = group_reduce(y, spec, lambda blk, ax: K.group_extreme(blk, ax, np.minimum))
+            mx = group_reduce(y, spec, lambda blk, ax: K.group_extreme(blk, ax, np.maximum))
             amax = np.maximum(-mn, mx)  # NaN propagates: non-finite input fails ``safe``
             z = mn.astype(R.DTYPES[sd][2])  # to nearest: off by at most 2^-p * amax far from the extremes
             zf = z.astype(F32)
@@ -351,11 +333,13 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
               np.ascontiguousarray(x[:, T - Q:]).view(np.uint8).reshape(-1)]
     if not M:
         return pieces
-    y = x[:, P : P + M].astype(F32)
+    y = K.scratch(10, (H, M, lay.dim), F32)  # reused from chunk to chunk: never returned
+    with np.errstate(all="ignore"):
+        np.copyto(y, x[:, P : P + M], casting="unsafe")
     if spec.codec == "fp8":
         dt, fmax = FP8[spec.fp8_format]
         axes = {"tensor": None, "head": (1, 2), "token": 2}[spec.scale_granularity]
-        amax = np.asarray(np.abs(y).max(axis=axes), F32).reshape(lay.groups)  # NaN and Inf propagate
+        amax = np.asarray(K.amax_of(y.max(axis=axes), y.min(axis=axes)), F32).reshape(lay.groups)  # NaN, Inf propagate
         if not np.isfinite(amax).all():
             if not keep_nonfinite:
                 raise NotFaithful("the chunk holds NaN or infinity (KVW-LOSSY-6): stored losslessly instead")
@@ -365,8 +349,10 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
         scales = _fp8_scales(amax, fmax, dt, dtype)
         s = scales.reshape({"tensor": (1, 1, 1), "head": (H, 1, 1), "token": (H, M, 1)}[spec.scale_granularity])
         with np.errstate(all="ignore"):
-            q = np.clip(y / s, -fmax, fmax).astype(dt)  # saturate; NaN stays NaN; round half to even
-        return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), q.view(np.uint8).reshape(-1)]
+            q = np.divide(y, s, out=y)
+            np.clip(q, -fmax, fmax, out=q)  # saturate; NaN stays NaN
+        codes = K.f32_to_fp8(q, spec.fp8_format, dt)  # round half to even
+        return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), codes.reshape(-1)]
     b = spec.bits
     try:
         scale_s, zero_s = _int_params(y, spec, dtype)
@@ -380,17 +366,9 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
     q = y
     if spec.symmetric:
         qmax = (1 << (b - 1)) - 1
-
-        def quant(blk, s):
-            r = np.rint(np.divide(blk, s, out=np.zeros_like(blk), where=s > 0))
-            return np.clip(r, -qmax, qmax) + np.float32(1 << (b - 1))
-        group_apply(q, [sc], spec, quant)
+        group_apply(q, [sc], spec, lambda blk, s: K.quantize(blk, s, None, -qmax, qmax, 1 << (b - 1)))
     else:
         qmax, zs = (1 << b) - 1, zero_s.astype(F32)
-
-        def quant(blk, s, z):
-            r = np.rint(np.divide(blk - z, s, out=np.zeros_like(blk), where=s > 0))
-            return np.clip(r, 0, qmax)
-        group_apply(q, [sc, zs], spec, quant)
-    codes = pack(q.astype(np.uint8), b)
+        group_apply(q, [sc, zs], spec, lambda blk, s, z: K.quantize(blk, s, z, 0, qmax, 0))
+    codes = K.pack_codes(q, b)
     return pieces + [p.astype(p.dtype.newbyteorder("<")).view(np.uint8).reshape(-1) for p in params] + [codes]

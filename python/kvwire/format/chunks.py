@@ -140,11 +140,16 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
     features = h.required_features
     _fail(~R.enabled_codes("component", features)[comp], LayoutError, "ENUM_OUT_OF_RANGE", "KVW-CHUNK-1",
           "component code not in the registry (or its feature bit is not set, KVW-EVOL-9)")
-    heads = table.heads[layer, comp]
+    # one flat index for the [L, NCOMP] tables (layer and component are in range now): a 1-D
+    # take is several times cheaper than 2-D fancy indexing over 2^20 records
+    cell = layer * NCOMP + comp
+    heads = table.heads.reshape(-1).take(cell)
     _fail(heads == 0, LayoutError, "COMPONENT_INVALID", "KVW-CHUNK-1", "component not stored by this layer's kind")
     specs_on = bool(features & CODEC_SPECS_BIT)  # reserved0 is codec_spec (spec/codecs.md, KVW-CSPEC-9)
-    _fail(((rec["reserved0"] != 0) & (not specs_on)) | (rec["reserved1"] != 0), LayoutError, "RESERVED_NONZERO",
-          "KVW-CHUNK-7", "reserved field is not zero")
+    reserved = rec["reserved1"] != 0
+    if not specs_on:
+        reserved |= rec["reserved0"] != 0
+    _fail(reserved, LayoutError, "RESERVED_NONZERO", "KVW-CHUNK-7", "reserved field is not zero")
     flags_unknown = rec["flags"].astype(np.int64) & (R.CHUNK_FLAGS_REQUIRED_MASK & ~R.KNOWN_REQUIRED_CHUNK_FLAGS)
     _fail(flags_unknown != 0, FeatureError, "UNSUPPORTED_FEATURE", "KVW-EVOL-4", "unknown required flag bit")
     _fail(~R.enabled_codes("codec", features)[rec["codec"]], CodecError, "UNKNOWN_CODEC", "KVW-CHUNK-5",
@@ -155,7 +160,7 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
     if h.sparse is not None:  # grid, heads and raw_length per (layer, head) (spec/sparse.md)
         slots = check_sparse_records(h, table, rec, layer, comp, _fail)
     else:
-        slots = _check_dense_grid(h, table, rec, layer, comp)
+        slots = _check_dense_grid(h, table, rec, layer, comp, cell, heads)
     stored = rec["stored_length"]
     _fail(stored == 0, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4", "stored_length is 0")
     _fail((rec["codec"] == R.CODECS["raw"]) & (stored != rec["raw_length"]), CodecError, "RAW_LENGTH_MISMATCH",
@@ -163,13 +168,14 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
     return slots
 
 
-def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray):
-    """KVW-CHUNK-2, KVW-CHUNK-3 and raw_length (KVW-CHUNK-4); returns the slots."""
+def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray,
+                      cell: np.ndarray, heads: np.ndarray):
+    """KVW-CHUNK-2, KVW-CHUNK-3 and raw_length (KVW-CHUNK-4); returns the slots. ``cell``:
+    ``layer * NCOMP + comp``; ``heads``: the component's heads of each record."""
     C = h.chunk_tokens
-    heads = table.heads[layer, comp]
     t0 = rec["token_start"].astype(np.int64)
     t1 = t0 + rec["token_count"].astype(np.int64)
-    lo, hi = table.start[layer], table.stop[layer]
+    lo, hi = table.start.take(layer), table.stop.take(layer)
     st = state_rows(table.state, rec, layer, comp)
     head_max = 0
     if st is not None:  # a state chunk: one cell spanning the layer, head_start names the tensor (KVW-STATE-7)
@@ -182,14 +188,15 @@ def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.n
           "token range is not one cell of the chunk grid within the layer's tokens")
     _fail((rec["head_start"] > head_max) | (rec["head_count"] != heads), LayoutError, "HEAD_RANGE", "KVW-CHUNK-3",
           "head range must cover all heads of the component")
-    expected = heads * (t1 - t0) * table.dims[layer, comp] * h.itemsize
+    expected = heads * (t1 - t0) * table.dims.reshape(-1).take(cell) * h.itemsize
     if st is not None:
         expected = np.where(st.mask, st.nbytes, expected)
     _fail(rec["raw_length"].astype(np.int64) != expected, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4",
           "raw_length != heads x tokens x head_dim x dtype size")
+    base = table.base.reshape(-1).take(cell)
     if st is not None:
-        return table.base[layer, comp] + np.where(st.mask, rec["head_start"], t0 // C - lo // C)
-    return table.base[layer, comp] + t0 // C - lo // C
+        return base + np.where(st.mask, rec["head_start"], t0 // C - lo // C)
+    return base + t0 // C - lo // C
 
 
 def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:

@@ -43,12 +43,15 @@ def token_bytes(tokens) -> bytes:
 
 def chain(tokens, chunk_tokens: int, root: bytes) -> bytes:
     """Hashes of the chunks of ``tokens`` (cut every ``chunk_tokens``; the last may be partial), concatenated."""
-    raw = token_bytes(tokens)
+    raw = memoryview(token_bytes(tokens))  # slices of a memoryview: the chunk's bytes are hashed in place
     step = 4 * chunk_tokens
     out = bytearray()
     prev = bytes(root)
+    sha256 = hashlib.sha256
     for off in range(0, len(raw), step):
-        prev = hashlib.sha256(prev + raw[off:off + step]).digest()
+        h = sha256(prev)
+        h.update(raw[off:off + step])
+        prev = h.digest()
         out += prev
     return bytes(out)
 

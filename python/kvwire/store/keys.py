@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..codecs.presets import PRESETS
 from ..format import registry as R
@@ -87,7 +88,7 @@ class KeySpace:
         return cls(header.model.compat_fingerprint, header.dtype, header.chunk_tokens, (0, header.num_layers),
                    tp_rank, tp_size, codec_fidelity(codec))
 
-    @property
+    @cached_property  # once per space: a 1M-token hit query builds 4096 keys on it
     def root(self) -> str:
         a, b = self.layers
         return (f"{KEY_VERSION}/{self.fingerprint.hex()}/{self.dtype}/tp{self.tp_rank}of{self.tp_size}/l{a}-{b}/"

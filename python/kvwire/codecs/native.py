@@ -1,0 +1,272 @@
+"""Optional native decoding of chunk bodies through libkvwire (c/, issue #18).
+
+Why: the numpy codecs are the reference and stay the default, but they decode at about
+0.6-1.0 GB/s on one core; libkvwire's decoders (the same spec, held to the same
+conformance kit) run at 1.4-2.7 GB/s, and ctypes releases the GIL for the call, so
+threads decode distinct chunks in parallel. Nothing here is loaded unless asked for:
+
+- ``KVWIRE_NATIVE=1``: the checkout's ``build/c/libkvwire.so`` (``make c``);
+- ``KVWIRE_NATIVE=/path/to/libkvwire.so``: that library;
+- ``enable(path=None)`` / ``disable()`` at run time; ``available()`` says whether it is on.
+
+The package installs and passes everything without it. A header is handed to C once (its
+reference encoding, parsed and checked by ``kvw_header_new``) and the handle cached per
+Header object; an error of libkvwire becomes the ``FormatError`` subclass of the same
+registry code and rule as the numpy path's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..format import errors as E
+
+DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "c" / "libkvwire.so"
+CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
+_RECORD = struct.Struct("<QQQQIIHBBHHHHI")  # spec 8.1, 56 bytes
+_ERR_INVALID_ARGUMENT = 1000
+
+# Registry code -> the class the numpy path raises it with (FormatError otherwise).
+_CLASSES = {
+    "DECODE_FAILED": E.CodecError, "DECODED_SIZE_MISMATCH": E.CodecError, "UNKNOWN_CODEC": E.CodecError,
+    "RAW_LENGTH_MISMATCH": E.CodecError, "POSITIONS_ENCODING": E.CodecError, "CODEC_SPEC_MISMATCH": E.CodecError,
+    "CODEC_SPEC_INVALID": E.SchemaError, "LENGTH_MISMATCH": E.LayoutError, "RESERVED_NONZERO": E.LayoutError,
+    "LAYER_OUT_OF_RANGE": E.LayoutError, "SPARSE_INVALID": E.SchemaError, "DECODED_SIZE_LIMIT": E.LimitError,
+    "LIMIT_EXCEEDED": E.LimitError,
+}
+
+
+class _Error(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int), ("rule", ctypes.c_char_p), ("needed", ctypes.c_uint64),
+                ("message", ctypes.c_char * 240)]
+
+
+class NativeError(RuntimeError):
+    """libkvwire failed for a reason that is not about the input (memory, API misuse)."""
+
+
+_lock = threading.Lock()
+_state = SimpleNamespace(lib=None)  # the loaded library while enabled (one per process)
+_handles: dict = {}  # id(header) -> (weakref to it, handle or None when C cannot take it)
+
+
+def _load(path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.kvw_error_size.restype = ctypes.c_size_t
+    lib.kvw_error_size.argtypes = []
+    if lib.kvw_error_size() != ctypes.sizeof(_Error):
+        raise OSError(f"{path}: kvw_error is {lib.kvw_error_size()} bytes, expected {ctypes.sizeof(_Error)}")
+    lib.kvw_header_new.restype = ctypes.c_int
+    lib.kvw_header_new.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                                   ctypes.POINTER(_Error)]
+    lib.kvw_header_delete.restype = None
+    lib.kvw_header_delete.argtypes = [ctypes.c_void_p]
+    lib.kvw_decode_ctx_new.restype = ctypes.c_int
+    lib.kvw_decode_ctx_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    lib.kvw_decode_ctx_free.restype = None
+    lib.kvw_decode_ctx_free.argtypes = [ctypes.c_void_p]
+    lib.kvw_decode_wire.restype = ctypes.c_int
+    lib.kvw_decode_wire.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                                    ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Error)]
+    lib.kvw_code_name.restype = ctypes.c_char_p
+    lib.kvw_code_name.argtypes = [ctypes.c_int]
+    return lib
+
+
+def enable(path=None) -> None:
+    """Decode through libkvwire from now on (``path``: the .so; default the checkout's
+    ``build/c/libkvwire.so``). Raises OSError when it cannot be loaded."""
+    p = Path(path) if path is not None else DEFAULT_PATH
+    if not p.exists():
+        raise OSError(f"{p} not found: build it with `make c` (needs: sudo apt-get install -y gcc make "
+                      "libzstd-dev libxxhash-dev)")
+    lib = _load(p)
+    with _lock:
+        _drop_handles()
+        _state.lib = lib
+
+
+def disable() -> None:
+    """Back to the numpy reference codecs. Like ``enable``, it frees the cached C headers:
+    call neither while another thread is decoding."""
+    with _lock:
+        _drop_handles()
+        _state.lib = None
+
+
+def available() -> bool:
+    """True when native decoding is enabled (and the library loaded)."""
+    return _state.lib is not None
+
+
+def _drop_handles() -> None:
+    for _ref, h in list(_handles.values()):
+        if h and _state.lib is not None:
+            _state.lib.kvw_header_delete(h)
+    _handles.clear()
+
+
+def _fail(lib, e: _Error, code: int):
+    name = lib.kvw_code_name(code).decode()
+    msg = e.message.decode(errors="replace")
+    if code >= _ERR_INVALID_ARGUMENT:
+        if code == _ERR_INVALID_ARGUMENT:
+            raise ValueError(f"libkvwire: {msg}")
+        raise NativeError(f"libkvwire {name}: {msg}")
+    rule = e.rule.decode() if e.rule else None
+    raise _CLASSES.get(name, E.FormatError)(name, f"{msg} (libkvwire)", rule=rule or None)
+
+
+def _handle(header):
+    """libkvwire's parsed copy of ``header`` (cached per object), or None when C does not
+    take it (the caller then uses numpy)."""
+    key = id(header)
+    got = _handles.get(key)
+    if got is not None and got[0]() is header:
+        return got[1]
+    lib = _state.lib
+    from ..format.header import build_header
+    try:
+        fb = build_header(header)
+    except Exception:  # noqa: BLE001 -- a header the writer would not emit: stay on numpy
+        fb = None
+    h = None
+    if fb is not None:
+        out, e = ctypes.c_void_p(), _Error()
+        if lib.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e)) == 0:
+            h = out.value
+
+    def _gone(_ref, key=key, h=h, lib=lib):
+        cur = _handles.get(key)
+        if cur is not None and cur[0] is _ref:
+            del _handles[key]
+            if h and _state.lib is lib:
+                lib.kvw_header_delete(h)
+
+    with _lock:
+        cur = _handles.get(key)
+        if _state.lib is not lib or (cur is not None and cur[0]() is header):  # switched, or another thread won
+            if h:
+                lib.kvw_header_delete(h)
+            return cur[1] if _state.lib is lib and cur is not None else None
+        _handles[key] = (weakref.ref(header, _gone), h)
+    return h
+
+
+def record(header, codec: str, spec_index: int, stored_length: int, raw_length: int, shape: tuple, layer: int,
+           token_start: int, head: int = 0) -> bytes:
+    """The 56-byte wire record the C decoder needs for a chunk (offset and checksum 0)."""
+    heads, tokens, dim = shape
+    comp = 0  # K; V when the dim says so (the lossy geometry reads the component's head dim)
+    spec = header.arch.layers[layer] if 0 <= layer < header.arch.num_layers else None
+    if spec is not None and spec.kind == "mla_latent":
+        comp = 2
+    elif spec is not None and dim != spec.head_dim_k and dim == spec.head_dim_v:
+        comp = 1
+    return _RECORD.pack(0, stored_length, raw_length, 0, token_start, tokens, layer, comp, CODECS[codec], 0,
+                        head, heads, spec_index, 0)
+
+
+def _buffer(out, raw_length: int):
+    """(address, writable length) of a contiguous writable ``out``, or None."""
+    try:
+        mv = memoryview(out)
+    except TypeError:
+        return None
+    if mv.readonly or not mv.c_contiguous or mv.nbytes < raw_length:
+        return None
+    arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, np.uint8)
+    return arr.ctypes.data, arr.nbytes
+
+
+def decode_wire(header, rec: bytes, stored, out=None):
+    """Decode one stored body (``rec``: its 56-byte wire record) into ``out`` (a contiguous
+    writable buffer of at least raw_length bytes) or a fresh uint8 array. Returns what it
+    filled, or None when native decoding is off or C does not take this header."""
+    lib = _state.lib
+    if lib is None:
+        return None
+    h = _handle(header)
+    if not h:
+        return None
+    raw_length = _RECORD.unpack(rec)[2]
+    src = np.frombuffer(memoryview(stored).cast("B"), np.uint8) if memoryview(stored).nbytes else np.zeros(1, np.uint8)
+    n = memoryview(stored).nbytes
+    if out is None:
+        out = np.empty(raw_length, np.uint8)
+    dst = _buffer(out, raw_length)
+    if dst is None:
+        raise ValueError("out must be a contiguous writable buffer of raw_length bytes")
+    e = _Error()
+    code = lib.kvw_decode_wire(_context(lib), h, rec, src.ctypes.data, n, dst[0], dst[1], ctypes.byref(e))
+    if code:
+        _fail(lib, e, code)
+    return out
+
+
+def decode_chunks(header, items, threads: int = 2) -> list:
+    """Decode many chunks, ``threads`` at a time (the GIL is released inside libkvwire):
+    ``items`` are (record, stored, out) triples as ``decode_wire`` takes them; returns the
+    filled outputs in order. Needs native decoding enabled."""
+    if _state.lib is None:
+        raise RuntimeError("native decoding is not enabled (KVWIRE_NATIVE=1 or native.enable())")
+    if _handle(header) is None:
+        raise ValueError("libkvwire does not take this header")
+    items = list(items)
+    if threads <= 1 or len(items) < 2:
+        return [decode_wire(header, r, s, o) for r, s, o in items]
+    return list(_pool(threads).map(lambda it: decode_wire(header, *it), items))
+
+
+class _Context:
+    """This thread's kvw_decode_ctx (a zstd context and a body buffer that libkvwire reuses
+    across calls), freed with the thread's locals: the library itself keeps no state."""
+
+    def __init__(self, lib):
+        self.lib, self.ptr = lib, ctypes.c_void_p()
+        if lib.kvw_decode_ctx_new(ctypes.byref(self.ptr), None):
+            self.ptr = ctypes.c_void_p()  # out of memory: decode without reuse (ctx NULL)
+
+    def __del__(self):
+        if self.ptr:
+            self.lib.kvw_decode_ctx_free(self.ptr)
+
+
+_local = threading.local()
+
+
+def _context(lib) -> ctypes.c_void_p:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None or ctx.lib is not lib:
+        ctx = _local.ctx = _Context(lib)
+    return ctx.ptr
+
+
+_pools: dict = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One executor per thread count, kept (its threads keep their decode contexts warm)."""
+    with _lock:
+        p = _pools.get(threads)
+        if p is None:
+            p = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="kvwire-native")
+        return p
+
+
+def _from_env() -> None:
+    v = os.environ.get("KVWIRE_NATIVE", "").strip()
+    if v and v != "0":
+        enable(None if v == "1" else v)
+
+
+_from_env()
