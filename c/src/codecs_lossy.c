@@ -6,18 +6,9 @@
  * the same in every conforming reader. Kept apart from codecs.c, which handles the frames
  * around these bodies; the geometry of a body (kvwc_lossy_geometry) is in codecs_geom.c.
  */
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
-
-#include <float.h>
-#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0
-#error "KVW-LOSSY-3 needs fp32 evaluation (FLT_EVAL_METHOD 0): build with -msse2 -mfpmath=sse"
-#endif
 
 #include <stdlib.h>
 

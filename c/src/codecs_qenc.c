@@ -6,18 +6,9 @@
  * or holds NaN or infinity (LOSSY-6), is refused with KVW_ERR_UNSUPPORTED: the writer then
  * stores it losslessly. Apart from the decoders, which readers need alone.
  */
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
-
-#include <float.h>
-#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0
-#error "KVW-LOSSY-3 needs fp32 evaluation (FLT_EVAL_METHOD 0): build with -msse2 -mfpmath=sse"
-#endif
 
 #include <stdlib.h>
 
