@@ -37,6 +37,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))  # harmless when kvwire is installed editable
 
 import kvwire  # noqa: E402
+from kvwire.cache.encoder import iter_buffers  # noqa: E402
+from kvwire.cache.writev import write_all  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
 
 PROBE_BYTES = 64 << 10
@@ -540,7 +542,9 @@ class Bench:
 
 def goals(bench, cache, arrays, ref, pairs):
     """The issue #18 goals, each a paired comparison in this one run (``paired``):
-    kvwire.save against write(2) of the same bytes and against safetensors' save_file;
+    kvwire.save against write(2) of the same bytes and against safetensors' save_file, with
+    the bounds of the save: XXH3 of the bytes, one memcpy of them (the page-cache copy's share
+    of write(2)) and write_all of save's own buffer list with the checksums already computed;
     checksummed loads into caller buffers (prefaulted, as an engine's) against XXH3 over the
     same bytes; and, against XXH3 too, the copies that bound the load: one memcpy of the whole
     payload, and the same copy cut at the container's contiguous runs (one per chunk and head)."""
@@ -598,7 +602,24 @@ def goals(bench, cache, arrays, ref, pairs):
     add("hash_vs_write", "XXH3 of the file's bytes / write(2) of them (one core: save >= 1 + this)",
         paired(write2, lambda: xxhash.xxh3_64_intdigest(flat), repeat=pairs, setup_ref=fresh(raw)),
         kind="time", threshold=None, ref_label="write(2)", cand_label="XXH3", nbytes=len(flat))
-    rm(raw), rm(st)
+    dst_file = np.zeros_like(flat)  # prefaulted: the copy alone, no page faults
+    add("memcpy_vs_write", "limit: memcpy of the file's bytes (prefaulted) / write(2) of them (the copy's share)",
+        paired(write2, lambda: np.copyto(dst_file, flat), repeat=pairs, setup_ref=fresh(raw)),
+        kind="time", threshold=None, ref_label="write(2)", cand_label="memcpy", nbytes=len(flat))
+    buffers = list(iter_buffers(cache))  # checksums done before timing: the buffer-list write alone
+
+    def writev_buffers(p):
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, buffers)
+        finally:
+            os.close(fd)
+        return p
+    add("writev_vs_write", "limit: write_all of save's buffer list, checksums precomputed / write(2)",
+        paired(write2, writev_buffers, repeat=pairs, setup_ref=fresh(raw), setup_cand=fresh(kvw), check=save_check),
+        kind="time", threshold=None, ref_label="write(2)", cand_label="write_all", nbytes=len(flat))
+    del buffers
+    rm(raw), rm(st), rm(kvw)
     os.sync()
 
     kvwire.save(kvw, cache)

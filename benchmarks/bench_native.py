@@ -13,6 +13,12 @@ back in each round (paired: they see the same machine load), ``--rounds`` rounds
 decoded bytes over the median round time. Outputs are checked byte-identical first.
 Goals of the issue: every codec >= 1.25 GB/s on one core; int8, fp8 and byteplane >= 3 GB/s
 on two. Writes benchmarks/results/native.md and native.json.
+
+Encoding (``--encode``, on by default): the lossy body of every 256-token chunk of layer 0
+(K and V) for a grid of codec specs (all fp8 formats and scale granularities, int_affine
+8/4/2 bits on both group axes, symmetric and not, each scale dtype), by numpy
+(``quant.encode``) and by ``native.encode_lossy`` into a reused buffer, paired per round;
+bodies are checked byte-identical first. Goal: lossy encode >= 1 GB/s on one core.
 """
 
 from __future__ import annotations
@@ -32,13 +38,71 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
 import kvwire
-from kvwire.codecs import decode_chunk, native
+from kvwire import CodecSpec
+from kvwire.codecs import decode_chunk, native, quant
+from kvwire.codecs.pipeline import lossy_range
+from kvwire.format import registry as R
+from kvwire.format.architecture import Architecture, LayerSpec
+from kvwire.format.header import Header
 from kvwire.tools.synth import synth_cache
 
 CODECS = ["zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2"]
 METHODS = ["numpy", "native_hook", "native_1t", "native_2t"]
-GOAL_1, GOAL_2, GOAL_2_CODECS = 1.25, 3.0, ("int8", "fp8", "byteplane")
+GOAL_1, GOAL_2, GOAL_2_CODECS, GOAL_ENC = 1.25, 3.0, ("int8", "fp8", "byteplane"), 1.0
+
+
+def _int(bits, axis, sym, sd, G=32):
+    return CodecSpec("int_affine", bits=bits, group_size=G, group_axis=axis, symmetric=sym, scale_dtype=sd)
+
+
+ENCODE = {  # name -> spec (lossless stage "raw": the stage is zstd's, measured in bench_codecs)
+    "fp8-e4m3fn-tensor": CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="tensor"),
+    "fp8-e4m3fn-token": CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="token"),
+    "fp8-e5m2-head": CodecSpec("fp8", fp8_format="f8_e5m2", scale_granularity="head"),
+    "fp8-e4m3fnuz-token": CodecSpec("fp8", fp8_format="f8_e4m3fnuz", scale_granularity="token"),
+    "int8-sym-tokens-f32": _int(8, "tokens", True, "f32"),
+    "int8-asym-channels-bf16": _int(8, "channels", False, "bf16"),
+    "int4-g32-sym-tokens-f16": _int(4, "tokens", True, "f16"),
+    "kivi4 (int4 asym, K tokens)": _int(4, "tokens", False, "f16"),
+    "int4-asym-channels-f16": _int(4, "channels", False, "f16"),
+    "kivi2 (int2 asym, K tokens)": _int(2, "tokens", False, "f16"),
+    "int2-asym-channels-f16": _int(2, "channels", False, "f16"),
+    "int2-sym-channels-f32": _int(2, "channels", True, "f32"),
+}
+
+
+def measure_encode(cache, spec, rounds: int) -> dict:
+    """numpy vs native lossy encoding of layer 0's chunks (paired rounds, median)."""
+    k = cache.layers[0]["k"]
+    heads, tokens, dim = k.shape
+    arch = Architecture((LayerSpec("full_attention", heads, dim, dim),))
+    h = Header(arch, token_count=tokens, dtype="bf16", chunk_tokens=256, codec_specs=(spec,),
+               required_features=R.REQUIRED_FEATURES["codec_specs"])
+    items = []
+    for comp in ("k", "v"):
+        for t0 in range(0, tokens, 256):
+            x = np.ascontiguousarray(cache.layers[0][comp][:, t0:t0 + 256])
+            lay = quant.layout(spec, "bf16", heads, dim, t0, t0 + x.shape[1], *lossy_range(h, 0))
+            rec = native.record(h, spec.codec, 1, 0, x.nbytes, x.shape, 0, t0)
+            ref = b"".join(bytes(memoryview(p).cast("B")) for p in quant.encode(spec, x, lay, "bf16"))
+            out = np.empty(len(ref), np.uint8)
+            assert bytes(native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1), out=out)) == ref, "native differs"
+            items.append((x, lay, rec, x.view(np.uint8).reshape(-1), out))
+    nbytes = sum(it[0].nbytes for it in items)
+    tn, tc = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for x, lay, _rec, _raw, _out in items:
+            quant.encode(spec, x, lay, "bf16")
+        tn.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _x, _lay, rec, raw, out in items:
+            native.encode_lossy(h, rec, raw, out=out)
+        tc.append(time.perf_counter() - t)
+    return {"bytes": nbytes, "chunks": len(items), "numpy": nbytes / statistics.median(tn) / 1e9,
+            "native": nbytes / statistics.median(tc) / 1e9,
+            "speedup": statistics.median([a / b for a, b in zip(tn, tc)])}
 
 
 def chunks(r):
@@ -108,6 +172,17 @@ def render(meta: dict, rows: list, out: Path) -> None:
         lines.append(f"| {r['codec']} | {r['chunks']} | {r['numpy']:.2f} | {r['native_hook']:.2f} | {r['native_1t']:.2f} | "
                      f"{r['native_2t']:.2f} | {r['speedup_1t']:.2f} | {r['speedup_2t']:.2f} | "
                      f"{'yes' if r['native_1t'] >= GOAL_1 else '**no**'} | {g2_txt} |")
+    enc = meta.get("encode_rows") or []
+    if enc:
+        lines += ["", "## Lossy encoding", "",
+                  (f"Layer 0 of the same cache ({enc[0]['chunks']} chunks of 8 heads x 256 tokens x 128 bf16), "
+                   f"{meta['rounds']} paired rounds (numpy `quant.encode` then `native.encode_lossy` into a reused "
+                   "buffer), median; GB/s of raw input. Bodies byte-identical (checked). "
+                   f"Goal (issue #18): >= {GOAL_ENC} GB/s on one core."), "",
+                  "| spec | numpy GB/s | native GB/s | x | goal |", "|---|---|---|---|---|"]
+        for r in enc:
+            lines.append(f"| {r['codec']} | {r['numpy']:.2f} | {r['native']:.2f} | {r['speedup']:.2f} | "
+                         f"{'yes' if r['native'] >= GOAL_ENC else '**no**'} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -119,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--no-encode", action="store_true", help="skip the lossy encoding table")
     ap.add_argument("--lib", default=None, help="libkvwire.so (default: the checkout's build/c)")
     ap.add_argument("--out", default=str(HERE / "results" / "native"))
     ap.add_argument("--render", action="store_true", help="only rewrite native.md from native.json")
@@ -143,6 +219,13 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{name:16s} numpy {row['numpy']:5.2f}  hook {row['native_hook']:5.2f}  1t {row['native_1t']:5.2f}  "
               f"2t {row['native_2t']:5.2f} GB/s  (x{row['speedup_1t']:.2f}, x{row['speedup_2t']:.2f})", flush=True)
+    native.enable(a.lib)
+    for name, spec in ({} if a.no_encode else ENCODE).items():
+        row = {"codec": name, **measure_encode(cache, spec, a.rounds)}
+        meta.setdefault("encode_rows", []).append(row)
+        print(f"encode {name:28s} numpy {row['numpy']:5.2f}  native {row['native']:5.2f} GB/s  (x{row['speedup']:.2f})",
+              flush=True)
+    native.disable()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "codecs": rows}, indent=1) + "\n")

@@ -15,6 +15,10 @@ Measures, on one synthetic cache (Llama-3-8B shape by default: 32 layers x 8 KV 
              pinned ring, copy layer by layer on a side stream
   load-noverify / load-registered   the same without checksums / from an mmap'ed file
              registered with cudaHostRegister (no staging copy)
+  load lossy fp8 / int8 / int4 / kivi2 containers: their lossy bodies cross the link and
+             kvwire.codecs.torch_dequant decodes them on the device, against decoding on
+             the host and copying decoded bytes; bit-exact with the numpy decoder, and the
+             256 fp8 codes at scales giving subnormal and overflowing results
   scatter    decode a container straight into vLLM HND paged buffers on the GPU at
              shuffled block ids (ring + device scatter)
   offload    save from the GPU: engine blocks -> pinned offload ring (device->host), with
@@ -141,7 +145,8 @@ def main(argv=None) -> int:
 
     import kvwire
     from kvwire import layouts
-    from kvwire.cache.cuda import HostRegistration, StagingRing, load_to_device
+    from kvwire.cache.cuda import HostRegistration, StagingRing
+    from kvwire.cache.device_load import load_to_device
     from kvwire.tools.synth import synth_cache
 
     env = Env(args)
@@ -222,6 +227,38 @@ def main(argv=None) -> int:
                 finally:
                     if reg is not None:
                         reg.close()
+
+    # -- lossy containers: compressed bytes over the link, dequantized on the device (#18) --------
+    def lossy():
+        from kvwire.codecs import quant, torch_dequant
+
+        for codec in ("fp8-e4m3", "int8", "int4-g32", "kivi2"):
+            blob = kvwire.encode(cache, codec=codec)
+            host = kvwire.load(blob)  # the numpy decoder: the reference bytes
+
+            def run(on_device, blob=blob):
+                with kvwire.open(blob) as r:
+                    return load_to_device(r, dev, ring=ring, device_dequant=on_device)
+
+            row(f"load {codec}, device dequant", timed(env, lambda: run(True), args.repeat), nbytes,
+                f"stored {len(blob) / nbytes:.2f} of the decoded bytes")
+            row(f"load {codec}, host dequant + copy", timed(env, lambda: run(False), args.repeat), nbytes)
+            got = run(True)
+            check(f"load {codec} device dequant", all(np.array_equal(
+                int_view(got.layers[i][c]).cpu().numpy().view(np.uint8),
+                np.ascontiguousarray(host.layers[i][c]).view(np.uint8)) for i in range(args.layers) for c in "kv"))
+        # every fp8 code with scales giving subnormal and overflowing results: no FTZ, no FMA
+        from kvwire import CodecSpec
+
+        spec = CodecSpec("fp8", fp8_format="f8_e4m3fn", scale_granularity="token")
+        lay = quant.layout(spec, "bf16", 1, 256, 0, 3, 0, 3)
+        scales = np.array([2.0 ** -133, 1.0, 2.0 ** 120], "<f4")
+        body = scales.tobytes() + np.tile(np.arange(256, dtype=np.uint8), 3).tobytes()
+        want = quant.decode(spec, body, lay, "bf16").view(np.uint16)
+        dst = torch.empty((1, 3, 256), dtype=torch.bfloat16, device=dev)
+        torch_dequant.dequant(spec, torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dev), lay, "bf16", dst)
+        check("dequant fp8 extremes (subnormal, overflow, NaN)",
+              np.array_equal(int_view(dst).cpu().numpy().view(np.uint16), want))
 
     # -- engine buffers: vLLM HND, as vLLM registers them -------------------------------------------
     bs = args.block_size
@@ -337,7 +374,7 @@ def main(argv=None) -> int:
                 ok = ok and all(same_bits(got[c], want[c]) for c in "kv")
             check(f"vllm connector {physical} bf16", ok)
 
-    for part, fn in (("baseline", baseline), ("load", loads), ("load registered", registered),
+    for part, fn in (("baseline", baseline), ("load", loads), ("load registered", registered), ("load lossy", lossy),
                      ("engine buffers", engine), ("scatter", scatter), ("offload", offload),
                      ("vllm connector", vllm_connector)):
         if part in ("scatter", "offload") and "src" not in state:

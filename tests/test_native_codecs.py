@@ -1,7 +1,8 @@
 """The optional native decoders (kvwire.codecs.native over libkvwire) against the numpy
 reference: byte-identical output on random lossy, byteplane and zstd chunks, the same
 sha256 on every valid conformance vector, the same error code on corrupted bodies, nothing
-loaded unless asked for, and two decoding threads equal to one.
+loaded unless asked for, and two decoding threads equal to one; the native lossy encoder
+(``native.encode_lossy``) writes the numpy encoder's bodies and refusals byte for byte.
 """
 
 from __future__ import annotations
@@ -284,3 +285,87 @@ def test_decode_chunks_two_threads_equal_one(lib):
     finally:
         native.disable()
     assert [bytes(a) for a in one] == [bytes(b) for b in two] == ref
+
+
+def _extreme_values(rng, shape, dtype, kind):
+    """Chunk values for the encoder: ordinary, near a dtype's extremes (the careful path),
+    zero groups, or holding NaN / infinity (both encoders refuse)."""
+    x = values(rng, shape, dtype, False).astype(np.float32)
+    flat = x.reshape(-1)
+    big = {"bf16": 3e38, "f16": 6e4, "f32": 3e38}[dtype]
+    tiny = {"bf16": 1e-38, "f16": 1e-7, "f32": 1e-44}[dtype]
+    idx = rng.integers(0, flat.size, max(1, flat.size // 20))
+    if kind == "extreme":
+        flat[idx] = rng.choice([big, -big, tiny, -tiny, 0.0, -0.0], idx.size)
+    elif kind == "zeros":
+        x[:, : max(1, shape[1] // 2)] = rng.choice([0.0, -0.0])
+        flat[idx] = -0.0
+    elif kind == "nonfinite":
+        flat[idx] = rng.choice([np.nan, np.inf, -np.inf], idx.size)
+    if dtype == "bf16":
+        return (x.view("<u4") >> 16).astype("<u2").view(R.DTYPES["bf16"][2])
+    with np.errstate(over="ignore"):
+        return x.astype({"f16": "<f2", "f32": "<f4"}[dtype])
+
+
+def _encode_both(h, spec, x, lay, dtype, rec):
+    """(numpy body or "refused", native body or "refused")."""
+    try:
+        a = b"".join(bytes(memoryview(p).cast("B")) for p in quant.encode(spec, x, lay, dtype))
+    except quant.NotFaithful:
+        a = "refused"
+    native.enable(LIB)
+    try:
+        b = bytes(native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1)))
+    except quant.NotFaithful:
+        b = "refused"
+    finally:
+        native.disable()
+    return a, b
+
+
+@FAST
+@given(spec=LOSSY, dtype=st.sampled_from(["bf16", "f16", "f32"]), heads=st.integers(1, 4),
+       dim=st.sampled_from([1, 3, 8, 64, 128]), tokens=st.integers(1, 70), sink=st.integers(0, 5),
+       resid=st.integers(0, 5), t0=st.sampled_from([0, 256]), kind=st.sampled_from(["plain", "extreme", "zeros",
+                                                                                   "nonfinite"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_encode_lossy_identical(lib, spec, dtype, heads, dim, tokens, sink, resid, t0, kind, seed):
+    """native.encode_lossy writes the numpy encoder's body byte for byte, and refuses
+    (NotFaithful) the same chunks, on the fused path and the careful one."""
+    from dataclasses import replace
+    rng = np.random.default_rng(seed)
+    spec = replace(spec, sink_tokens=sink, residual_tokens=resid)
+    h = header(dtype, heads, dim, dim, t0 + tokens, [spec])
+    shape = (heads, tokens, dim)
+    lay = quant.layout(spec, dtype, heads, dim, t0, t0 + tokens, *lossy_range(h, 0))
+    x = _extreme_values(rng, shape, dtype, kind)
+    rec = native.record(h, spec.codec, 1, 0, x.nbytes, shape, 0, t0)
+    a, b = _encode_both(h, spec, x, lay, dtype, rec)
+    assert a == b
+    if not np.isfinite(x[:, lay.P : lay.P + lay.M].astype(np.float32)).all():
+        assert a == "refused"  # KVW-LOSSY-6 (NaN / inf in kept tokens are stored as they are)
+    if a != "refused":  # into a caller's buffer, longer than the body
+        native.enable(LIB)
+        try:
+            out = np.full(len(a) + 7, 0xAB, np.uint8)
+            got = native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1), out=out)
+            assert bytes(got) == a and out[len(a):].tolist() == [0xAB] * 7
+        finally:
+            native.disable()
+
+
+def test_encode_lossy_off_and_short_buffer(lib):
+    """None when native is off; a too-short out is an argument error, not a partial body."""
+    spec = CodecSpec("int_affine", bits=4, group_size=32, group_axis="tokens", symmetric=False, scale_dtype="f16")
+    h = header("bf16", 2, 64, 64, 64, [spec])
+    x = values(np.random.default_rng(1), (2, 64, 64), "bf16", False)
+    rec = native.record(h, "int_affine", 1, 0, x.nbytes, (2, 64, 64), 0, 0)
+    native.disable()
+    assert native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1)) is None
+    native.enable(LIB)
+    try:
+        with pytest.raises(ValueError, match="needs"):
+            native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1), out=np.zeros(10, np.uint8))
+    finally:
+        native.disable()

@@ -10,7 +10,10 @@ is still reported, for the first bad chunk in order.
 The speed itself is measured by benchmarks/bench_core.py, never here.
 """
 
+import functools
+import io
 import os
+import threading
 
 import forge
 import kvwire
@@ -128,6 +131,68 @@ def test_write_all_stops_when_the_producer_fails(tmp_path):
             files.write_all(fd, buffers(), batch_bytes=BATCH)
     finally:
         os.close(fd)
+
+
+# -- the threaded save path: same bytes as the plain one, old file kept on failure --------
+
+
+def _threaded(monkeypatch):
+    """save through write_all in small batches, so the writer thread runs."""
+    monkeypatch.setattr(files, "write_all", functools.partial(writev.write_all, batch_bytes=BATCH))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "int8", "byteplane"])
+@pytest.mark.parametrize("fsync", [False, True])
+def test_threaded_save_is_byte_identical_to_the_plain_paths(tmp_path, monkeypatch, codec, fsync):
+    cache = forge.small_cache(layers=3, heads=4, head_dim=32, tokens=200, chunk_tokens=32, compressible=True)
+    plain = io.BytesIO()  # the file-object path: one write per buffer, no thread
+    kvwire.save(plain, cache, codec=codec)
+    _threaded(monkeypatch)
+    seen = []
+    real = writev.os.writev
+    monkeypatch.setattr(writev.os, "writev", lambda fd, b: (seen.append(threading.current_thread()), real(fd, b))[1])
+    path = tmp_path / "t.kvw"
+    size = kvwire.save(path, cache, codec=codec, fsync=fsync)
+    assert any(t is not threading.current_thread() for t in seen)  # the writer thread wrote
+    assert path.read_bytes() == plain.getvalue() == kvwire.encode(cache, codec=codec) and size == len(plain.getvalue())
+
+
+@pytest.mark.parametrize("where", ["producer", "writer"])
+@pytest.mark.parametrize("tmpfile", [True, False])
+def test_failure_mid_save_leaves_the_old_file_intact(tmp_path, monkeypatch, where, tmpfile):
+    old_cache = forge.small_cache(layers=2, heads=2, head_dim=16, tokens=64, seed=1, compressible=False)
+    new_cache = forge.small_cache(layers=3, heads=4, head_dim=32, tokens=200, chunk_tokens=32, seed=2,
+                                  compressible=False)
+    path = tmp_path / "c.kvw"
+    kvwire.save(path, old_cache)
+    old = path.read_bytes()
+    monkeypatch.setattr(files, "USE_O_TMPFILE", tmpfile and files.USE_O_TMPFILE)
+    _threaded(monkeypatch)
+    calls = []
+    if where == "producer":  # the encoder fails after several batches went to the writer thread
+        real_chunk = encoder.Encoder.chunk
+
+        def chunk(self, *a, **k):
+            calls.append(1)
+            if len(calls) == 20:
+                raise RuntimeError("encoder failed mid-save")
+            return real_chunk(self, *a, **k)
+
+        monkeypatch.setattr(encoder.Encoder, "chunk", chunk)
+    else:  # the kernel refuses a later batch (ENOSPC)
+        real = writev.os.writev
+
+        def writev_(fd, b):
+            calls.append(1)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            return real(fd, b)
+
+        monkeypatch.setattr(writev.os, "writev", writev_)
+    with pytest.raises((RuntimeError, OSError)):
+        kvwire.save(path, new_cache)
+    assert len(calls) >= 3 and path.read_bytes() == old
+    assert sorted(os.listdir(tmp_path)) == ["c.kvw"]  # no temporary file left behind
 
 
 # -- save round trips (property) ----------------------------------------------------------

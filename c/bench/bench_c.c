@@ -6,6 +6,7 @@
  * reference, runs this, and writes benchmarks/results/c.md.
  *
  *   bench_c FILE.kvw [REPEAT [INNER_OPEN]]
+ *   bench_c --encode [REPEAT]      lossy encoding (kvw_lossy_encode_wire), one chunk per spec
  *
  * Prints one JSON object per line: {"name", "median_ns", "min_ns", "bytes", "inner"}.
  * Every row is the median and min of REPEAT timed samples after one warm-up; open rows
@@ -208,7 +209,81 @@ static void b_stream_decoder(bench_ctx *c) {
     kvw_decoder_free(d);
 }
 
+/* bench_c --encode [REPEAT]: kvw_lossy_encode_wire (the fused lossy encoders) over one chunk
+ * of 8 heads x 256 tokens x 128 bf16 (approximately Gaussian, every 16th channel x8 as the
+ * outlier channels of real K caches) for a grid of codec specs; "bytes" is the raw chunk. */
+static int bench_encode(int repeat) {
+    enum { EH = 8, ET = 256, ED = 128 };
+    static uint8_t raw[EH * ET * ED * 2], dst[EH * ET * ED * 8];
+    uint32_t x = 1;
+    for (size_t i = 0; i < (size_t)EH * ET * ED; i++) {
+        float v = 0;
+        for (int k = 0; k < 4; k++) {
+            x = x * 1103515245u + 12345u;
+            v += (float)((x >> 8) & 0xFFFF) / 65536.0f - 0.5f;
+        }
+        v *= (i % ED) % 16 == 0 ? 8.0f : 1.7f;
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        raw[2 * i] = (uint8_t)u, raw[2 * i + 1] = (uint8_t)(u >> 8);
+    }
+    static const struct { const char *name; int codec, fmt, gran, bits, axis, sym, sd; } G[] = {
+        {"fp8-e4m3fn-tensor", KVW_CODEC_FP8, KVW_DTYPE_F8_E4M3FN, KVW_SCALE_TENSOR, 8, 0, 0, 0},
+        {"fp8-e5m2-head", KVW_CODEC_FP8, KVW_DTYPE_F8_E5M2, KVW_SCALE_HEAD, 8, 0, 0, 0},
+        {"fp8-e4m3fnuz-token", KVW_CODEC_FP8, KVW_DTYPE_F8_E4M3FNUZ, KVW_SCALE_TOKEN, 8, 0, 0, 0},
+        {"int8-sym-tokens-f32", KVW_CODEC_INT_AFFINE, 0, 0, 8, KVW_GROUP_TOKENS, 1, KVW_DTYPE_F32},
+        {"int4-asym-tokens-f16", KVW_CODEC_INT_AFFINE, 0, 0, 4, KVW_GROUP_TOKENS, 0, KVW_DTYPE_F16},
+        {"int2-asym-tokens-f16", KVW_CODEC_INT_AFFINE, 0, 0, 2, KVW_GROUP_TOKENS, 0, KVW_DTYPE_F16},
+        {"int8-asym-channels-bf16", KVW_CODEC_INT_AFFINE, 0, 0, 8, KVW_GROUP_CHANNELS, 0, KVW_DTYPE_BF16},
+        {"int4-sym-channels-bf16", KVW_CODEC_INT_AFFINE, 0, 0, 4, KVW_GROUP_CHANNELS, 1, KVW_DTYPE_BF16},
+        {"int2-asym-channels-f16", KVW_CODEC_INT_AFFINE, 0, 0, 2, KVW_GROUP_CHANNELS, 0, KVW_DTYPE_F16},
+    };
+    kvw_layer_spec ls;
+    kvw_layer_spec_init(&ls);
+    ls.num_kv_heads = EH, ls.head_dim_k = ED, ls.head_dim_v = ED;
+    uint16_t index = 0;
+    uint64_t *smp = calloc((size_t)repeat, sizeof *smp);
+    if (!smp) return 2;
+    for (size_t k = 0; k < sizeof G / sizeof G[0]; k++) {
+        kvw_codec_spec spec;
+        kvw_codec_spec_init(&spec);
+        spec.codec = (uint8_t)G[k].codec, spec.fp8_format = (uint8_t)G[k].fmt;
+        spec.scale_granularity = (uint8_t)G[k].gran, spec.bits = (uint8_t)G[k].bits;
+        spec.group_axis = (uint8_t)G[k].axis, spec.symmetric = (uint8_t)G[k].sym;
+        spec.scale_dtype = (uint8_t)G[k].sd;
+        kvw_header h;
+        kvw_header_init(&h);
+        h.arch.num_layers = 1, h.arch.layer_specs = &ls, h.arch.layer_spec_count = 1;
+        h.arch.layer_spec_index = &index, h.arch.layer_spec_index_count = 1;
+        h.dtype = KVW_DTYPE_BF16, h.chunk_tokens = ET, h.token_count = ET;
+        h.codec_specs = &spec, h.codec_spec_count = 1, h.required_features = KVW_FEATURE_CODEC_SPECS;
+        kvw_record rec;
+        memset(&rec, 0, sizeof rec);
+        rec.token_count = ET, rec.codec = spec.codec, rec.head_count = EH, rec.reserved0 = 1;
+        rec.raw_length = sizeof raw;
+        uint8_t wire[KVW_RECORD_SIZE];
+        kvw_record_encode(&rec, wire);
+        for (int r = 0; r <= repeat; r++) {
+            size_t wr = 0;
+            kvw_error err;
+            uint64_t t0 = now_ns();
+            kvw_code rc = kvw_lossy_encode_wire(&h, wire, raw, sizeof raw, dst, sizeof dst, &wr, &err);
+            uint64_t t1 = now_ns();
+            if (rc) die(G[k].name, rc, &err);
+            if (r) smp[r - 1] = t1 - t0;
+        }
+        char name[64];
+        snprintf(name, sizeof name, "encode %s", G[k].name);
+        report(name, smp, repeat, sizeof raw, 1);
+    }
+    free(smp);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "--encode") == 0)
+        return bench_encode(argc > 2 && atoi(argv[2]) > 0 ? atoi(argv[2]) : 50);
     if (argc < 2) {
         fprintf(stderr, "usage: bench_c FILE.kvw [REPEAT [INNER_OPEN]]\n");
         return 2;

@@ -595,6 +595,33 @@ kvw_code kvw_decode_wire(kvw_decode_ctx *ctx, const kvw_header *h,
 size_t kvw_error_size(void);
 /* ==== end FFI ==== */
 
+/* ==== FFI copy additions ==== */
+/* Checked copy of one chunk body (for readers assembling layers from another language):
+ * src's n bytes (the stored body, or a decoded one with verify 0) go as n / run runs of
+ * run bytes to dst + r * dst_stride, hashed (XXH3, KVW-CSUM-1) block by block as they are
+ * copied when verify != 0; KVW_BODY_CHECKSUM when the digest is not checksum (dst then holds
+ * the unverified bytes: the caller must not use them). dst NULL or run 0: hash only. */
+kvw_code kvw_copy_checked(const uint8_t *src, size_t n, uint64_t checksum, int verify, uint8_t *dst,
+                          size_t run, size_t dst_stride, kvw_error *err);
+/* XXH3-64 of the concatenation of runs runs of run bytes at src + r * stride (a chunk's
+ * heads in a layer tensor, as a writer checksums a body it sends as pieces). */
+uint64_t kvw_xxh3_runs(const uint8_t *src, size_t runs, size_t run, size_t stride);
+/* ==== end FFI copy ==== */
+
+/* ==== ffi encode additions ==== */
+/* The lossy body (fp8 or int_affine, without its lossless stage) of one chunk of raw_len
+ * bytes (== the wire record's raw_length; codec and codec_spec from the record) into dst
+ * (dst_len >= the body's length; *written is set to it; a shorter dst fails with
+ * KVW_ERR_INVALID_ARGUMENT and err->needed = the body's length). KVW_ERR_UNSUPPORTED for a chunk
+ * that KVW-LOSSY-5/6 forbids a lossy body for (the message says why): store it
+ * losslessly. Same bytes as kvw_encode_body's lossy body; nothing is allocated per call
+ * except for a chunk with groups near the dtype extremes (section 3.1). Thread-safe over
+ * one header. */
+kvw_code kvw_lossy_encode_wire(const kvw_header *h, const uint8_t record[KVW_RECORD_SIZE],
+                               const uint8_t *raw, size_t raw_len, uint8_t *dst, size_t dst_len,
+                               size_t *written, kvw_error *err);
+/* ==== end ffi encode additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

@@ -150,8 +150,10 @@ static void interleave(uint8_t *dst, const uint8_t *const *pl, size_t N, unsigne
     }
 }
 
-kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                               size_t L, unsigned w, const char *rule, kvw_error *err) {
+/* kvwc_byteplane_decode with the caller's scratch (codecs_impl.h). */
+kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
+                                       size_t L, unsigned w, const char *rule, uint8_t *scratch_buf,
+                                       kvw_error *err) {
     if (w == 0 || w > 8)
         return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "", "byteplane element width %u", w);
     size_t N = L / w, r = L - N * w, head = 4u * w;
@@ -186,8 +188,8 @@ kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, ui
     int upper = 0;
 #endif
     size_t extra = (size_t)(packed - (unsigned)upper);
-    if (extra && w > 1) {
-        scratch = (uint8_t *)malloc(extra * N); /* < L: justified by raw_length */
+    if (extra && w > 1) { /* the caller's (>= L bytes) or extra * N < L: justified by raw_length */
+        scratch = scratch_buf ? scratch_buf : (uint8_t *)malloc(extra * N);
         if (!scratch) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "byteplane: %zu bytes", extra * N);
     }
     size_t at = head;
@@ -216,8 +218,13 @@ kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, ui
         }
         if (r) memcpy(dst + N * w, src + at, r);
     }
-    free(scratch);
+    if (scratch != scratch_buf) free(scratch);
     return rc;
+}
+
+kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
+                               size_t L, unsigned w, const char *rule, kvw_error *err) {
+    return kvwc_byteplane_decode_scratch(dctx, src, n, dst, L, w, rule, NULL, err);
 }
 
 /* ---- dispatch -------------------------------------------------------------------------- */

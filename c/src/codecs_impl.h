@@ -98,4 +98,17 @@ static inline float kvwc_from_f16(uint16_t h) {
 }
 static inline float kvwc_from_bf16(uint16_t b) { return kvwc_bits_f32((uint32_t)b << 16); }
 
+/* kvwc_byteplane_decode with the caller's scratch of at least L bytes (NULL: allocate one);
+ * ffi.c passes its decode context's buffer. */
+kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
+                                       size_t L, unsigned w, const char *rule, uint8_t *scratch_buf,
+                                       kvw_error *err);
+/* The lossy body (no lossless stage) into body (g->Lb bytes, any contents), codecs_qenc.c. */
+kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                                const kvw_iovec *parts, int nparts, uint8_t *body, kvw_error *err);
+/* codecs_qenc_fast.c: the common case from one contiguous chunk in fused passes; 0 when the
+ * careful path of codecs_qenc.c must encode it (groups near the dtype extremes, NaN, ...). */
+int kvwc_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                   const uint8_t *raw, uint8_t *body);
+
 #endif /* KVW_CODECS_IMPL_H */

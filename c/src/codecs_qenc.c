@@ -184,11 +184,11 @@ static kvw_code encode_int(const kvw_header *h, const kvw_codec_spec *s, const k
         float a = x[gr.first], c = a;
         for (uint64_t i = 1; i < gr.n; i++) {
             float v = x[gr.first + i * gr.stride];
-            if (v < a) a = v;
-            if (v > c) c = v;
+            if (v <= a) a = v; /* the last of equal values (a zero's sign), as numpy's */
+            if (v >= c) c = v; /* minimum / maximum reductions keep */
         }
         mn[k] = a, mx[k] = c;
-        float amax = -a > c ? -a : c;
+        float amax = (-a > c ? -a : c) + 0.0f; /* +0, never -0 */
         uint32_t sb, zb = 0;
         if (sym) {
             sb = round_up_f(amax / qmax, sd);
@@ -201,7 +201,7 @@ static kvw_code encode_int(const kvw_header *h, const kvw_codec_spec *s, const k
         safe &= amax >= lo && amax <= hi;
     }
     for (uint64_t k = 0; !safe && k < np; k++) { /* section 3.1: near the extremes */
-        float a = mn[k], c = mx[k], amax = -a > c ? -a : c, need, big, z = 0;
+        float a = mn[k], c = mx[k], amax = (-a > c ? -a : c) + 0.0f, need, big, z = 0;
         int P = PRECISION[sd];
         if (sym) {
             need = amax / qmax, big = amax;
@@ -267,16 +267,17 @@ static kvw_code encode_int(const kvw_header *h, const kvw_codec_spec *s, const k
     return KVW_OK;
 }
 
-kvw_code kvwc_lossy_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                           const kvw_iovec *parts, int nparts, uint8_t **out, size_t *out_len,
-                           kvw_error *err) {
+kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                                const kvw_iovec *parts, int nparts, uint8_t *body, kvw_error *err) {
     uint64_t H = g->H, T = g->T, D = g->D, w = g->w, P = g->P, Q = g->Q, M = g->M;
     uint64_t rowb = D * w;
-    uint8_t *body = (uint8_t *)calloc(g->Lb ? (size_t)g->Lb : 1, 1);
+    if (nparts == 1 && kvwc_qenc_fast(h, s, g, (const uint8_t *)parts[0].base, body))
+        return KVW_OK;
+    if (g->Lb) memset(body, 0, (size_t)g->Lb); /* the codes are or-ed in */
     float *x = (float *)malloc(M ? (size_t)(H * M * D) * sizeof(float) : 1);
     uint8_t *row = (uint8_t *)malloc(rowb ? (size_t)rowb : 1);
     kvw_code rc = KVW_OK;
-    if (!body || !x || !row) {
+    if (!x || !row) {
         rc = kvw_fail(err, KVW_ERR_NO_MEMORY, "", "lossy body of %llu bytes",
                       (unsigned long long)g->Lb);
         goto done;
@@ -309,6 +310,16 @@ kvw_code kvwc_lossy_encode(const kvw_header *h, const kvw_codec_spec *s, const k
 done:
     free(x);
     free(row);
+    return rc;
+}
+
+kvw_code kvwc_lossy_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                           const kvw_iovec *parts, int nparts, uint8_t **out, size_t *out_len,
+                           kvw_error *err) {
+    uint8_t *body = (uint8_t *)malloc(g->Lb ? (size_t)g->Lb : 1);
+    if (!body) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "lossy body of %llu bytes",
+                               (unsigned long long)g->Lb);
+    kvw_code rc = kvwc_lossy_encode_into(h, s, g, parts, nparts, body, err);
     if (rc) {
         free(body);
         return rc;

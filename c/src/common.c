@@ -130,8 +130,7 @@ kvw_code kvw_fail_truncated(kvw_error *err, const char *rule, uint64_t needed) {
     return KVW_TRUNCATED;
 }
 
-uint64_t kvw_xxh3(const void *p, size_t n) { return (uint64_t)XXH3_64bits(p, n); }
-uint32_t kvw_check32(const void *p, size_t n) { return (uint32_t)XXH3_64bits(p, n); }
+uint32_t kvw_check32(const void *p, size_t n) { return (uint32_t)kvw_xxh3(p, n); } /* kvw_xxh3: hash.c */
 
 /* ---- registry names ---- */
 #define NAME_TABLE(fn, ...)                                                              \

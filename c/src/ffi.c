@@ -82,6 +82,17 @@ void kvw_decode_ctx_free(kvw_decode_ctx *s) {
     free(s);
 }
 
+
+/* The context's buffer grown to at least n bytes (0 when out of memory). */
+static int grow(kvw_decode_ctx *s, size_t n) {
+    if (s->cap >= n) return 1;
+    uint8_t *b = (uint8_t *)realloc(s->buf, n ? n : 1);
+    if (!b) return 0;
+    s->buf = b;
+    s->cap = n;
+    return 1;
+}
+
 /* The valid path of kvw_decode_body with the thread's context and buffer; anything else
  * (a failing check, no scratch, raw bodies) goes to kvw_decode_body itself. */
 static kvw_code decode_fast(kvw_decode_ctx *s, const kvw_header *h, const kvw_record *rec,
@@ -102,9 +113,11 @@ static kvw_code decode_fast(kvw_decode_ctx *s, const kvw_header *h, const kvw_re
     unsigned w = kvw_dtype_size(h->dtype);
     if (rec->codec == KVW_CODEC_ZSTD)
         return kvwc_zstd_decode(s->dctx, stored, n, dst, raw, "zstd body", err);
-    if (rec->codec == KVW_CODEC_BYTEPLANE_ZSTD) {
+    if (rec->codec == KVW_CODEC_BYTEPLANE_ZSTD) { /* the planes' scratch: the context's buffer */
         if (!w) return kvw_decode_body(h, rec, stored, dst, err);
-        return kvwc_byteplane_decode(s->dctx, stored, n, dst, raw, w, "KVW-BPZ-3", err);
+        if (raw > CTX_KEEP || !grow(s, raw))
+            return kvwc_byteplane_decode(s->dctx, stored, n, dst, raw, w, "KVW-BPZ-3", err);
+        return kvwc_byteplane_decode_scratch(s->dctx, stored, n, dst, raw, w, "KVW-BPZ-3", s->buf, err);
     }
     kvwc_geom g;
     kvw_code rc = kvwc_lossy_geometry(h, rec, spec, &g, err);
@@ -151,4 +164,45 @@ kvw_code kvw_decode_wire(kvw_decode_ctx *ctx, const kvw_header *h,
                         "out_len %zu, the record's raw_length is %llu", out_len,
                         (unsigned long long)rec.raw_length);
     return decode_fast(ctx, h, &rec, stored, (uint8_t *)out, err);
+}
+
+/* ---- lossy encoding ------------------------------------------------------------------- */
+
+/* The lossy body of one chunk (no lossless stage) into the caller's dst: the fused path
+ * allocates nothing; the careful path (a chunk near the extremes) allocates its scratch. */
+kvw_code kvw_lossy_encode_wire(const kvw_header *h, const uint8_t record[KVW_RECORD_SIZE],
+                               const uint8_t *raw, size_t raw_len, uint8_t *dst, size_t dst_len,
+                               size_t *written, kvw_error *err) {
+    if (!h || !record || !written || (!raw && raw_len))
+        return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "",
+                        "kvw_lossy_encode_wire needs a header, a 56-byte record, the raw chunk "
+                        "and an output length");
+    *written = 0;
+    kvw_record rec;
+    kvw_record_decode(record, &rec);
+    if ((uint64_t)raw_len != rec.raw_length)
+        return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "",
+                        "raw_len %zu, the record's raw_length is %llu", raw_len,
+                        (unsigned long long)rec.raw_length);
+    if (!rec.reserved0 || rec.reserved0 > h->codec_spec_count ||
+        (rec.codec != KVW_CODEC_FP8 && rec.codec != KVW_CODEC_INT_AFFINE) ||
+        h->codec_specs[rec.reserved0 - 1].codec != rec.codec)
+        return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "",
+                        "kvw_lossy_encode_wire: codec %u with codec spec %u is not a lossy "
+                        "codec of this header", (unsigned)rec.codec, (unsigned)rec.reserved0);
+    const kvw_codec_spec *spec = &h->codec_specs[rec.reserved0 - 1];
+    kvwc_geom g;
+    kvw_code rc = kvwc_lossy_geometry(h, &rec, spec, &g, err);
+    if (rc) return rc;
+    if (g.Lb > (uint64_t)dst_len || (g.Lb && !dst)) {
+        rc = kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "",
+                      "dst_len %zu, the lossy body needs %llu bytes", dst_len,
+                      (unsigned long long)g.Lb);
+        if (err) err->needed = g.Lb; /* so that a caller may size dst with one call */
+        return rc;
+    }
+    kvw_iovec one = {raw, raw_len};
+    rc = kvwc_lossy_encode_into(h, spec, &g, &one, 1, dst, err);
+    if (!rc) *written = (size_t)g.Lb;
+    return rc;
 }

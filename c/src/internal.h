@@ -73,6 +73,11 @@ static inline int kvw_next_frame_offset(uint64_t prev_end, uint64_t a, uint64_t 
 
 /* ---- checksums (KVW-CONV-3) --------------------------------------------------------- */
 uint64_t kvw_xxh3(const void *p, size_t n);
+/* Streaming XXH3-64 over an XXH3_state_t of xxhash.h (XXH_STATIC_LINKING_ONLY), passed as
+ * void *: hash.c compiles xxhash.h inline, whose struct tag differs (same layout). */
+void kvw_xxh3_reset(void *st);
+void kvw_xxh3_update(void *st, const void *p, size_t n);
+uint64_t kvw_xxh3_digest(const void *st);
 uint32_t kvw_check32(const void *p, size_t n); /* low 32 bits of XXH3-64 */
 
 /* ---- constants (spec section 17 and magic numbers) ---------------------------------- */

@@ -380,18 +380,18 @@ kvw_code kvw_reader_scatter_raw(kvw_reader *r, size_t i, uint8_t *out, uint64_t 
     const uint8_t *body = r->buf + x->offset;
     int verify = !r->opt.skip_body_checksums;
     XXH3_state_t st;
-    if (verify) XXH3_64bits_reset(&st);
+    if (verify) kvw_xxh3_reset(&st);
     for (uint64_t h = 0; h < heads; h++) {
         const uint8_t *src = body + h * piece;
         uint8_t *dst = out + h * dst_stride;
         for (size_t o = 0; o < piece; o += COPY_BLOCK) {
             size_t k = piece - o < COPY_BLOCK ? (size_t)piece - o : COPY_BLOCK;
             memcpy(dst + o, src + o, k);
-            if (verify) XXH3_64bits_update(&st, src + o, k);
+            if (verify) kvw_xxh3_update(&st, src + o, k);
         }
     }
     if (!verify) return KVW_OK;
-    uint64_t got = (uint64_t)XXH3_64bits_digest(&st);
+    uint64_t got = kvw_xxh3_digest(&st);
     return got == x->checksum ? KVW_OK : checksum_error(x, i, got, err);
 }
 

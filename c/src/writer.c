@@ -209,10 +209,10 @@ kvw_code kvw_writer_add_head(kvw_writer *w, uint32_t layer, int component, int h
         rec.codec = KVW_CODEC_RAW;
         rec.reserved0 = 0;
         rec.stored_length = raw;
-        XXH3_64bits_reset(w->xs);
+        kvw_xxh3_reset(w->xs);
         for (int i = 0; i < nparts; i++)
-            if (parts[i].len) XXH3_64bits_update(w->xs, parts[i].base, parts[i].len);
-        rec.checksum = (uint64_t)XXH3_64bits_digest(w->xs);
+            if (parts[i].len) kvw_xxh3_update(w->xs, parts[i].base, parts[i].len);
+        rec.checksum = kvw_xxh3_digest(w->xs);
     }
     /* the grid's own record checks, exactly as readers run them */
     c = kvw_writer_grid_recheck(w, &rec, err);

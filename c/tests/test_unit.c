@@ -879,6 +879,114 @@ static void test_lossy_writer(tstate *t) {
     free(c);
 }
 
+
+/* The fused lossy encoders (codecs_qenc_fast.c) against the careful path, which a chunk in
+ * two parts always takes: the same body bytes and the same refusals for every codec
+ * variant, on data at the fast path's boundaries (round-half ties, signed zeros, f16
+ * subnormal scales, groups near the safe range's ends, NaN). */
+static void put_val(uint8_t *p, float f, unsigned dt) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (dt == KVW_DTYPE_F32) { memcpy(p, &u, 4); return; }
+    uint16_t b = dt == KVW_DTYPE_BF16 ? (uint16_t)(u >> 16) : 0;
+    if (dt == KVW_DTYPE_F16 && f != f) b = 0x7E00;
+    else if (dt == KVW_DTYPE_F16) { /* exact for the values below (|v| a multiple of 2^-24, < 2^15) */
+        float a = f < 0 ? -f : f;
+        int e = 0;
+        while (a >= 2048.0f) a /= 2, e++;
+        while (a < 1024.0f && e > -24) a *= 2, e--;
+        uint32_t m = (uint32_t)a;
+        b = (uint16_t)(e + 25 > 0 && m >= 1024 ? ((uint32_t)(e + 25) << 10) | (m - 1024) : m);
+        if (f < 0 || (f == 0 && (u >> 31))) b |= 0x8000;
+    }
+    memcpy(p, &b, 2);
+}
+static void test_lossy_fast(tstate *t) {
+    enum { FH = 2, FT = 64, FD = 16 };
+    static uint8_t raw[FH * FT * FD * 4], a[1 << 16], b[1 << 16];
+    kvw_layer_spec ls;
+    kvw_layer_spec_init(&ls);
+    ls.num_kv_heads = FH, ls.head_dim_k = FD, ls.head_dim_v = FD;
+    uint16_t index = 0;
+    kvw_codec_spec specs[64];
+    float nan;
+    uint32_t nanbits = 0x7FC00000u;
+    memcpy(&nan, &nanbits, 4);
+    int ns = 0;
+    for (unsigned f = KVW_DTYPE_F8_E4M3FN; f <= KVW_DTYPE_F8_E4M3FNUZ; f++)
+        for (unsigned g = KVW_SCALE_TENSOR; g <= KVW_SCALE_TOKEN; g++) {
+            kvw_codec_spec_init(&specs[ns]);
+            specs[ns].codec = KVW_CODEC_FP8, specs[ns].fp8_format = (uint8_t)f;
+            specs[ns++].scale_granularity = (uint8_t)g;
+        }
+    for (unsigned bits = 2; bits <= 8; bits *= 2)
+        for (unsigned ax = 0; ax < 2; ax++)
+            for (unsigned sym = 0; sym < 2; sym++)
+                for (unsigned sd = 0; sd < 3; sd++) {
+                    kvw_codec_spec_init(&specs[ns]);
+                    specs[ns].codec = KVW_CODEC_INT_AFFINE, specs[ns].bits = (uint8_t)bits;
+                    specs[ns].group_axis = (uint8_t)ax, specs[ns].symmetric = (uint8_t)sym;
+                    specs[ns].scale_dtype = (uint8_t)sd, specs[ns].group_size = ax ? 8 : 32;
+                    specs[ns].sink_tokens = sym, specs[ns].residual_tokens = 2 * sym;
+                    ns++;
+                }
+    int fast_ok = 0, refused = 0;
+    for (unsigned dt = 0; dt < 3; dt++)
+        for (int pat = 0; pat < 7; pat++) {
+            unsigned w = dt == KVW_DTYPE_F32 ? 4 : 2;
+            uint32_t x = 777u + (uint32_t)pat;
+            for (size_t i = 0; i < (size_t)FH * FT * FD; i++) {
+                x = x * 1103515245u + 12345u;
+                int r = (int)((x >> 16) % 512) - 256;
+                float v = pat == 0 ? (float)r / 32.0f              /* ties: halves of codes */
+                        : pat == 1 ? (r % 3 ? 0.0f : -0.0f) + (float)(r % 2) / 4 /* signed zeros */
+                        : pat == 2 ? (float)r * 0x1p-22f            /* f16 subnormal scales */
+                        : pat == 3 ? (float)r * 0x1p-12f            /* near int lo for f16 */
+                        : pat == 4 ? (i % 97 ? (float)r : 30000.0f) /* one large group */
+                        : pat == 5 ? (float)r * 0x1p-14f
+                                   : (i == 300 ? nan : (float)r / 8);
+                if (pat == 5 && i % 5 == 0) v = -0.0f; /* a zero group mixed in */
+                put_val(raw + i * w, v, dt);
+            }
+            for (int k = 0; k < ns; k++) {
+                kvw_header h;
+                kvw_header_init(&h);
+                h.arch.num_layers = 1, h.arch.layer_specs = &ls, h.arch.layer_spec_count = 1;
+                h.arch.layer_spec_index = &index, h.arch.layer_spec_index_count = 1;
+                h.dtype = (uint8_t)dt, h.chunk_tokens = FT, h.token_count = FT;
+                h.codec_specs = &specs[k], h.codec_spec_count = 1;
+                h.required_features = KVW_FEATURE_CODEC_SPECS;
+                kvw_record rec;
+                memset(&rec, 0, sizeof rec);
+                rec.token_count = FT, rec.codec = specs[k].codec, rec.head_count = FH;
+                rec.reserved0 = 1, rec.raw_length = (uint64_t)FH * FT * FD * w;
+                uint8_t wire[KVW_RECORD_SIZE];
+                kvw_record_encode(&rec, wire);
+                size_t la = 0, n = (size_t)rec.raw_length;
+                kvw_error e1, e2;
+                memset(a, 0xA5, sizeof a);
+                kvw_code r1 = kvw_lossy_encode_wire(&h, wire, raw, n, a, sizeof a, &la, &e1);
+                kvw_iovec two[2] = {{raw, 7}, {raw + 7, n - 7}};
+                uint8_t *body = NULL;
+                size_t lb = 0;
+                kvw_code r2 = kvw_encode_body(&h, specs[k].codec, &specs[k], &rec, two, 2, 3, &body,
+                                              &lb, &e2);
+                CHECK(t, r1 == r2, "lossy fast: dt %u pattern %d spec %d: %s vs careful %s (%s)", dt,
+                      pat, k, kvw_code_name(r1), kvw_code_name(r2), e1.message);
+                if (r1 == KVW_OK && r2 == KVW_OK && specs[k].lossless == KVW_CODEC_RAW) {
+                    memcpy(b, body, lb);
+                    CHECK(t, la == lb && memcmp(a, b, lb) == 0,
+                          "lossy fast: dt %u pattern %d spec %d: bodies differ", dt, pat, k);
+                    fast_ok++;
+                }
+                if (r1 == KVW_ERR_UNSUPPORTED) refused++;
+                free(body);
+            }
+        }
+    CHECK(t, fast_ok > 500 && refused > 0, "lossy fast: %d bodies compared, %d refused", fast_ok,
+          refused);
+}
+
 int main(int argc, char **argv) {
     tstate t = {0, 0, argc > 1 && strcmp(argv[1], "-v") == 0};
     static const struct { const char *name; void (*fn)(tstate *); } groups[] = {
@@ -891,6 +999,7 @@ int main(int argc, char **argv) {
         {"concatenated streams", test_decoder_concatenated},
         {"file sink and mapped files", test_file_sink},
         {"lossy codec specs (codecs.md)", test_lossy_writer},
+        {"fused lossy encoders vs careful", test_lossy_fast},
         {"API misuse", test_misuse},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

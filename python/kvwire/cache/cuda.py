@@ -24,8 +24,6 @@ import time
 
 import numpy as np
 
-from .kvcache import KVCache
-from .tensors import torch_dtype
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32"}
 
@@ -215,6 +213,7 @@ class StagingRing:
         self.slots = slots
         self.slot_bytes = 0
         self.device_mirror = device_mirror
+        self.staged = 0  # bytes placed in slots (load(device=): compressed bodies count as staged)
         self.host: list = []
         self.device: list = []
         self._events: list = [None] * slots
@@ -330,45 +329,8 @@ def host_chunk(reader, i: int, verify: bool, stored=None):
         return c, torch.from_numpy(arr)
 
 
-def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | None = None, stream=None,
-                   registered: bool = False) -> KVCache:
-    """The whole cache on ``device``, chunk by chunk through ``ring`` (made if not given).
+def load_to_device(reader, device, **kw):
+    """``kvwire.cache.device_load.load_to_device`` (moved there; kept importable from here)."""
+    from .device_load import load_to_device as load
 
-    ``registered=True``: the reader's buffer is page-locked (``HostRegistration``), so raw
-    bodies are copied straight from it. ``stream`` selects the copy engine (default: a
-    ``CudaStream``; tests pass a ``SimulatedStream`` and a CPU device)."""
-    h = reader.header
-    if any(s.kind == "state" for s in h.arch.layers):  # per-tensor dtypes and shapes (spec/crossmodel.md)
-        raise ValueError("load_to_device does not place state layers yet: load on the host, then move them")
-    stream = (ring.stream if ring is not None else None) or stream_for(device, stream)
-    if stream is None:
-        raise ValueError(f"load_to_device needs a CUDA device or an explicit stream, not {device!r}")
-    dt = torch_dtype(h.dtype)
-    recs = reader.records
-    biggest = int(recs["raw_length"].max()) if len(recs) else 1
-    if ring is None:
-        ring = StagingRing(stream, biggest, 2)
-    ring.ensure(biggest)
-    stream.wait_current()
-    dst = []
-    for spec, r in zip(h.arch.layers, h.layer_tokens):
-        dst.append({c: stream.device_empty(spec.shape(c, r.count), dt) for c in spec.components})
-    pending = []  # registered mode: (event, source view) kept alive until copied
-    for j in range(len(recs)):
-        c, stored = reader.stored(j, verify)
-        a = c.token_start - h.layer_tokens[c.layer].start
-        d = int_view(dst[c.layer][c.component])[:, a : a + c.token_count, :]
-        if registered and c.codec == "raw":
-            _, src = host_chunk(reader, j, verify, stored)
-            pending.append((stream.launch(lambda d=d, s=src: d.copy_(s, non_blocking=True)), src))
-            while pending and pending[0][0].query():
-                pending.pop(0)
-            continue
-        slot = ring.acquire(c.raw_length)
-        host = ring.host[slot][: c.raw_length]
-        reader.decode_stored(j, c, stored, out=host.numpy())
-        src = int_view(host.view(dt)).view(c.shape)
-        ring.launch(slot, lambda d=d, s=src: d.copy_(s, non_blocking=True))
-    stream.synchronize()
-    ring.drain()
-    return KVCache(h, dst)
+    return load(reader, device, **kw)

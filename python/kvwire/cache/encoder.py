@@ -18,7 +18,7 @@ import xxhash
 
 from ..format import registry as R
 from ..format.chunks import ChunkTable, PlannedChunk, on_grid
-from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan
+from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan, native
 from ..format.container import (
     FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, build_end_frame, build_frame, build_index, build_preamble,
     build_trailer, next_frame_offset, xxh3,
@@ -176,7 +176,10 @@ class Encoder:
             stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
-        if len(stored) == 1:
+        checksum = native.hash_runs(x) if stored is pieces and x is not None and len(pieces) > 1 else None
+        if checksum is not None:  # the raw pieces are x's heads: hashed in place by libkvwire
+            pass
+        elif len(stored) == 1:
             checksum = xxhash.xxh3_64_intdigest(stored[0])
         else:
             hasher = xxhash.xxh3_64()

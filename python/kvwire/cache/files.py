@@ -349,12 +349,13 @@ def open(source, *, mmap: bool | None = None,  # noqa: A001
 
 
 def load(source, *, device=None, backend: str | None = None, verify: bool = True, mmap: bool | None = None,
-         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES):
+         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, threads: int | None = None):
     """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``) from a
     path, bytes-like object or binary file object (as for ``open``); ``mmap`` as for ``open``;
-    ``device`` ("cpu", "cuda:0", ...) implies ``backend="torch"``."""
+    ``device`` ("cpu", "cuda:0", ...) implies ``backend="torch"``; ``threads``: chunks
+    assembled on that many threads when native codecs are on (``Reader.load``)."""
     if backend is None:
         backend = "torch" if device is not None else "numpy"
     check_choice("backend", backend, BACKENDS)
     with open(source, mmap=mmap, max_decoded_bytes=max_decoded_bytes) as r:
-        return r.load(verify=verify, backend=backend, device=device)
+        return r.load(verify=verify, backend=backend, device=device, threads=threads)

@@ -16,7 +16,7 @@ import numpy as np
 from ..format import registry as R
 from .kvcache import KVCache
 from ..format.chunks import ChunkTable, check_offsets, check_records
-from ..codecs import decode_chunk
+from ..codecs import decode_chunk, native
 from ..format.container import (
     CHUNK_MARKER, END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, check_zero, has_trailer, next_frame_offset,
     parse_end_frame, parse_frame, parse_index, parse_trailer, read_header, xxh3,
@@ -26,7 +26,8 @@ from ..format.header import Header
 from ..format.state import STATE, state_tensor_of
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from .args import BACKENDS, check_choice, check_count, check_device, check_index
-from .tensors import as_numpy, as_uint, carve, copy_raw, empty, is_torch, view, writable
+from .assemble import fill_layer, resolve_threads, run as run_jobs
+from .tensors import carve, empty, view, writable
 
 
 def probe(first_bytes) -> Header:
@@ -250,17 +251,19 @@ class Reader:
     # -- whole layers ------------------------------------------------------------------
 
     def layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None,
-              out: dict | None = None) -> dict:
+              out: dict | None = None, threads: int | None = None) -> dict:
         """{component: tensor [heads, layer tokens, head_dim]}, assembled with one copy.
 
         ``out`` supplies the destination tensors (e.g. an engine's preallocated buffers);
-        otherwise they are allocated.
+        otherwise they are allocated. ``threads``: chunks assembled on that many threads
+        when native decoding is on (None: one per CPU; see ``kvwire.cache.assemble``).
         """
         if self.header.sparse is not None:
             raise ValueError("a sparse container has per-head token subsets: use sparse_layer() or load()")
         layer = check_index("layer", layer, self.header.num_layers)
         check_choice("backend", backend, BACKENDS)
         check_device(device)
+        threads = resolve_threads(threads)
         spec, r = self.header.arch.layers[layer], self.header.layer_tokens[layer]
         if spec.kind == "state":  # {"state": {name: tensor}} (spec/crossmodel.md)
             return self._state_layer(layer, verify, backend)
@@ -268,28 +271,12 @@ class Reader:
             out = {comp: empty(spec.shape(comp, r.count), self.header.dtype, backend, device)
                    for comp in spec.components}
         for comp in spec.components:
-            dst = out[comp]
-            if tuple(dst.shape) != spec.shape(comp, r.count):
-                raise ValueError(f"out[{comp!r}] has shape {tuple(dst.shape)}, layer {layer} needs "
+            if tuple(out[comp].shape) != spec.shape(comp, r.count):
+                raise ValueError(f"out[{comp!r}] has shape {tuple(out[comp].shape)}, layer {layer} needs "
                                  f"{spec.shape(comp, r.count)}")
-            on_host = not is_torch(dst) or dst.device.type == "cpu"
-            host = as_numpy(dst) if on_host else None
-            host_u = as_uint(host) if on_host else None
-            base = int(self.grid.base[layer, R.COMPONENTS[comp]])
-            for j in range(self.num_chunks(layer, comp)):
-                i = int(self.slot_records[base + j])
-                a = self.info(i).token_start - r.start
-                if on_host and self.header.codec_specs and self.records["reserved0"][i]:
-                    c, stored = self.stored(i, verify)  # a codec spec decodes straight into place
-                    self.decode_stored(i, c, stored, out=as_uint(host)[:, a : a + c.token_count, :])
-                elif on_host and self.info(i).codec == "raw":  # checksum, then one copy while in cache
-                    copy_raw(self, i, verify, host_u, a)
-                elif on_host:  # copy through integer views: memcpy speed for bf16/fp8 too
-                    src = self.decode(i, verify, "numpy", scratch=True)
-                    as_uint(host)[:, a : a + src.shape[1], :] = as_uint(src)
-                else:
-                    src = self.decode(i, verify, "torch")
-                    dst[:, a : a + src.shape[1], :].copy_(src)
+        jobs = [] if native.takes(self.header) else None
+        fill_layer(self, layer, out, verify, jobs)
+        run_jobs(self, jobs, verify, threads)
         return out
 
     def _state_layer(self, layer: int, verify: bool, backend: str) -> dict:
@@ -349,17 +336,19 @@ class Reader:
         check_choice("backend", backend, BACKENDS)
         return read_sparse_layer(self, layer, verify=verify, backend=backend, device=device)
 
-    def load(self, *, verify: bool = True, backend: str = "numpy", device=None) -> KVCache:
+    def load(self, *, verify: bool = True, backend: str = "numpy", device=None,
+             threads: int | None = None) -> KVCache:
         """The whole cache in memory of its own (one allocation, carved into per-layer tensors);
-        a ``SparseKVCache`` for a sparse container."""
+        a ``SparseKVCache`` for a sparse container. ``threads`` as for ``layer``."""
         check_choice("backend", backend, BACKENDS)
         check_device(device)
+        threads = resolve_threads(threads)
         if self.header.sparse is not None:
             from .sparse import read_sparse
 
             return read_sparse(self, verify=verify, backend=backend, device=device)
         if device is not None and str(device).startswith("cuda"):
-            from .cuda import load_to_device
+            from .device_load import load_to_device
 
             return load_to_device(self, device, verify=verify)
         h = self.header
@@ -367,8 +356,15 @@ class Reader:
                   for s, r in zip(h.arch.layers, h.layer_tokens)]
         slabs = carve([shape for layer in shapes for shape in layer.values()], h.dtype, backend, device)
         it = iter(slabs)
-        return KVCache(h, [self.layer(i, verify=verify, backend=backend, out={c: next(it) for c in shapes[i]})
-                           for i in range(h.num_layers)])
+        outs = [{c: next(it) for c in shapes[i]} for i in range(h.num_layers)]
+        jobs = [] if native.takes(h) else None  # every layer's chunks in one batch: no barrier per layer
+        for i, spec in enumerate(h.arch.layers):
+            if spec.kind == "state":
+                outs[i] = self._state_layer(i, verify, backend)
+            else:
+                fill_layer(self, i, outs[i], verify, jobs)
+        run_jobs(self, jobs, verify, threads)
+        return KVCache(h, outs)
 
     # -- full validation ---------------------------------------------------------------
 

@@ -77,6 +77,15 @@ def _load(path) -> ctypes.CDLL:
     lib.kvw_decode_wire.restype = ctypes.c_int
     lib.kvw_decode_wire.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Error)]
+    lib.kvw_lossy_encode_wire.restype = ctypes.c_int
+    lib.kvw_lossy_encode_wire.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                                          ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                          ctypes.POINTER(_Error)]
+    lib.kvw_xxh3_runs.restype = ctypes.c_uint64
+    lib.kvw_xxh3_runs.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+    lib.kvw_copy_checked.restype = ctypes.c_int
+    lib.kvw_copy_checked.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(_Error)]
     lib.kvw_code_name.restype = ctypes.c_char_p
     lib.kvw_code_name.argtypes = [ctypes.c_int]
     return lib
@@ -211,6 +220,77 @@ def decode_wire(header, rec: bytes, stored, out=None):
     if code:
         _fail(lib, e, code)
     return out
+
+
+def copy_runs(src: int, n: int, dst: int, run: int, stride: int, checksum: int | None = None) -> None:
+    """``n`` bytes at address ``src`` as ``n // run`` runs of ``run`` bytes to ``dst + r *
+    stride`` (a chunk's heads into a token slice of a layer tensor), hashed as they are
+    copied when ``checksum`` is given (ChecksumError KVW-CSUM-1 on a mismatch; the
+    destination then holds unverified bytes). The GIL is released for the copy. The caller
+    keeps both buffers alive and guarantees the ranges. Needs native decoding enabled."""
+    lib = _state.lib
+    if lib is None:
+        raise RuntimeError("native decoding is not enabled (KVWIRE_NATIVE=1 or native.enable())")
+    e = _Error()
+    code = lib.kvw_copy_checked(src, n, checksum or 0, checksum is not None, dst, run, stride, ctypes.byref(e))
+    if code:
+        if lib.kvw_code_name(code) == b"BODY_CHECKSUM":
+            raise E.ChecksumError("BODY_CHECKSUM", e.message.decode(errors="replace"), rule="KVW-CSUM-1")
+        _fail(lib, e, code)
+
+
+def hash_runs(x: np.ndarray):
+    """XXH3-64 of the bytes of ``x`` [heads, tokens, dim] in C order, hashed in place (one
+    run per head; libkvwire's AVX2 XXH3, the GIL released), or None when native is off or a
+    head of ``x`` is not one contiguous run."""
+    lib = _state.lib
+    if lib is None or x.ndim != 3:
+        return None
+    s0, s1, s2 = x.strides
+    w = x.dtype.itemsize
+    if s2 != w or s1 != x.shape[2] * w or s0 < 0 or not x.size:
+        return None
+    return lib.kvw_xxh3_runs(x.ctypes.data, x.shape[0], x.shape[1] * x.shape[2] * w, s0)
+
+
+def takes(header) -> bool:
+    """True when native decoding is on and libkvwire takes ``header`` (its parsed copy is
+    then cached): the callers' test before planning a native path."""
+    return _state.lib is not None and bool(_handle(header))
+
+
+_ERR_UNSUPPORTED = 1003  # KVW_ERR_UNSUPPORTED
+
+
+def encode_lossy(header, rec: bytes, raw, out=None):
+    """The lossy body (fp8 / int_affine, no lossless stage) of one chunk: ``raw`` its raw
+    bytes, ``rec`` its 56-byte wire record (codec, codec_spec, shape; stored_length unused).
+    Returns the body as uint8 (a view of ``out`` when given, a writable buffer of at least
+    the body's length), None when native is off or C does not take this header; raises
+    ``NotFaithful`` where KVW-LOSSY-5/6 refuse a lossy body, as ``quant.encode`` does."""
+    lib = _state.lib
+    if lib is None:
+        return None
+    h = _handle(header)
+    if not h:
+        return None
+    src = np.frombuffer(memoryview(raw).cast("B"), np.uint8)
+    n = src.nbytes
+    e, written = _Error(), ctypes.c_size_t()
+    if out is None:  # one call for the body's length (geometry only), one to encode
+        lib.kvw_lossy_encode_wire(h, rec, src.ctypes.data, n, None, 0, ctypes.byref(written), ctypes.byref(e))
+        out = np.empty(max(int(e.needed), 1), np.uint8)
+    dst = _buffer(out, 0)
+    if dst is None:
+        raise ValueError("out must be a contiguous writable buffer")
+    code = lib.kvw_lossy_encode_wire(h, rec, src.ctypes.data, n, dst[0], dst[1], ctypes.byref(written),
+                                     ctypes.byref(e))
+    if code == _ERR_UNSUPPORTED:
+        from .scales import NotFaithful
+        raise NotFaithful(f"{e.message.decode(errors='replace')} (libkvwire)")
+    if code:
+        _fail(lib, e, code)
+    return np.frombuffer(memoryview(out).cast("B"), np.uint8)[: written.value]
 
 
 def decode_chunks(header, items, threads: int = 2) -> list:
