@@ -1,7 +1,10 @@
 """Shared fixtures. Helpers and the container forge live in tests/forge.py."""
 
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,6 +32,26 @@ def one_torch_thread():
     yield
     torch.set_num_threads(n)
 CODECS = ("raw", "zstd")
+ROOT = Path(__file__).resolve().parent.parent
+APT = "sudo apt-get install -y gcc make libzstd-dev libxxhash-dev"
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """libkvwire built (make -C c lib) once per module, for the native-codec tests; a missing
+    toolchain fails with the install command. Native codecs are switched off afterwards."""
+    from kvwire.codecs import native
+
+    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "gcc")) is None:
+        pytest.fail(f"building libkvwire needs a C toolchain: {APT}")
+    r = subprocess.run(["make", "-C", str(ROOT / "c"), f"BUILD={ROOT / 'build' / 'c'}", "lib"],
+                       capture_output=True, text=True, timeout=600, check=False)
+    if r.returncode:
+        pytest.fail(f"make -C c lib failed (toolchain or headers missing? {APT}):\n{r.stderr[-2000:]}")
+    path = ROOT / "build" / "c" / "libkvwire.so"
+    assert path.exists()
+    yield path
+    native.disable()
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,6 @@ corrupted body whichever thread meets it, and clear errors for a bad ``threads``
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import kvwire
 import numpy as np
 import pytest
@@ -22,25 +17,10 @@ from kvwire.format.errors import ChecksumError
 
 from forge import random_tensor, small_cache, xor_byte
 
-ROOT = Path(__file__).resolve().parent.parent
-LIB = ROOT / "build" / "c" / "libkvwire.so"
-APT = "sudo apt-get install -y gcc make libzstd-dev libxxhash-dev"
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2"]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                            HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "gcc")) is None:
-        pytest.fail(f"building libkvwire needs a C toolchain: {APT}")
-    r = subprocess.run(["make", "-C", str(ROOT / "c"), f"BUILD={ROOT / 'build' / 'c'}", "lib"],
-                       capture_output=True, text=True, timeout=600, check=False)
-    if r.returncode:
-        pytest.fail(f"make -C c lib failed:\n{r.stderr[-2000:]}")
-    yield LIB
-    native.disable()
 
 
 def cache_of(seed: int, heads: int = 3, dim: int = 16, tokens: int = 300, layers: int = 2, dtype: str = "bf16"):

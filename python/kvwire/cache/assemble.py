@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -142,7 +141,7 @@ def run(reader, jobs: list, verify: bool, threads: int) -> None:
                 return
 
     n = min(threads, len(jobs))
-    futures = [_pool(n - 1).submit(work) for _ in range(n - 1)]
+    futures = [native.pool(n - 1).submit(work) for _ in range(n - 1)]
     work()
     for f in futures:
         f.result()
@@ -161,16 +160,3 @@ def _numpy_one(reader, i: int, host_u, a: int, verify: bool) -> None:
     else:
         src = reader.decode(i, verify, "numpy", scratch=True)
         host_u[:, a : a + src.shape[1], :] = as_uint(src)
-
-
-_pools: dict = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """One executor per size, kept: its threads keep their decode contexts and scratch warm."""
-    with _pools_lock:
-        p = _pools.get(n)
-        if p is None:
-            p = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="kvwire-assemble")
-        return p

@@ -328,9 +328,3 @@ def host_chunk(reader, i: int, verify: bool, stored=None):
         warnings.simplefilter("ignore", UserWarning)
         return c, torch.from_numpy(arr)
 
-
-def load_to_device(reader, device, **kw):
-    """``kvwire.cache.device_load.load_to_device`` (moved there; kept importable from here)."""
-    from .device_load import load_to_device as load
-
-    return load(reader, device, **kw)

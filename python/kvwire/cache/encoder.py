@@ -176,12 +176,11 @@ class Encoder:
             stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
+        # raw pieces that are x's heads: hashed in place by libkvwire when native is on
         checksum = native.hash_runs(x) if stored is pieces and x is not None and len(pieces) > 1 else None
-        if checksum is not None:  # the raw pieces are x's heads: hashed in place by libkvwire
-            pass
-        elif len(stored) == 1:
+        if checksum is None and len(stored) == 1:
             checksum = xxhash.xxh3_64_intdigest(stored[0])
-        else:
+        elif checksum is None:
             hasher = xxhash.xxh3_64()
             for p in stored:
                 hasher.update(p)

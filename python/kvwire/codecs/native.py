@@ -304,7 +304,7 @@ def decode_chunks(header, items, threads: int = 2) -> list:
     items = list(items)
     if threads <= 1 or len(items) < 2:
         return [decode_wire(header, r, s, o) for r, s, o in items]
-    return list(_pool(threads).map(lambda it: decode_wire(header, *it), items))
+    return list(pool(threads).map(lambda it: decode_wire(header, *it), items))
 
 
 class _Context:
@@ -334,7 +334,7 @@ def _context(lib) -> ctypes.c_void_p:
 _pools: dict = {}
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
+def pool(threads: int) -> ThreadPoolExecutor:
     """One executor per thread count, kept (its threads keep their decode contexts warm)."""
     with _lock:
         p = _pools.get(threads)
