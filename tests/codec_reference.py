@@ -96,6 +96,51 @@ def token_split(spec, t0, t1, lo, hi):
     return P, Q
 
 
+# KVW-ROT-4's table, copied from the spec: upper half of C_b as fp32 bit patterns
+LEVELS_HEX = {2: "3EE7D2C9 3FC1555D", 3: "3E7AF9F8 3F418990 3FAC0538 4009B97A",
+              4: "3E0379FD 3EC6AE44 3F28215E 3F713D39 3FA0CC2F 3FCF1C25 40046AC7 402EE2BF"}
+
+
+def gaussian_level(b: int, u: int) -> float:
+    upper = [struct.unpack("<f", struct.pack("<I", int(x, 16)))[0] for x in LEVELS_HEX[b].split()]
+    half = 1 << (b - 1)
+    return upper[u - half] if u >= half else -upper[half - 1 - u]
+
+
+def splitmix_signs(seed: int, n: int) -> list:
+    """KVW-ROT-5, literally."""
+    mask = (1 << 64) - 1
+    state, out = seed, []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z = z ^ (z >> 31)
+        out.append(-1.0 if z >> 63 else 1.0)
+    return out
+
+
+def hadamard_inverse(y: list, seed: int) -> list:
+    """KVW-ROT-6 on one row of fp32 values (Python floats), one fp32 rounding per operation."""
+    D = len(y)
+    B = D & -D
+    k = B.bit_length() - 1
+    c = 2.0 ** (-k // 2) if k % 2 == 0 else 2.0 ** (-(k - 1) // 2) * struct.unpack("<f", bytes.fromhex("f304353f"))[0]
+    c = f32(c)
+    y = list(y)
+    for j in range(D // B):
+        h = 1
+        while h < B:
+            for i in range(j * B, (j + 1) * B):
+                if (i - j * B) & h == 0:
+                    a, b = y[i], y[i + h]
+                    y[i], y[i + h] = f32(a + b), f32(a - b)
+            h *= 2
+    sigma = splitmix_signs(seed, D)
+    return [f32(f32(y[d] * c) * sigma[d]) for d in range(D)]
+
+
 def decode(spec, dtype: str, stored: bytes, H: int, T: int, D: int, t0: int, lo: int, hi: int) -> bytes:
     """Decoded bytes [H, T, D] of one chunk whose record names ``spec``."""
     w = SIZES.get(dtype, 1)
@@ -153,20 +198,29 @@ def decode(spec, dtype: str, stored: bytes, H: int, T: int, D: int, t0: int, lo:
             at += ng * ps
         b, G = spec.bits, spec.group_size
         codes = body[at:]
+        rotation = getattr(spec, "rotation", "none")  # revision 1.2 (section 8)
+        gaussian = getattr(spec, "codebook", "uniform") == "gaussian"
         for h in range(H):
             for m in range(M):
+                row = []
                 for d in range(D):
                     i = (h * M + m) * D + d
-                    u = (codes[i * b // 8] >> (i * b % 8)) & ((1 << b) - 1)
+                    u = sum(((codes[(i * b + j) // 8] >> ((i * b + j) % 8)) & 1) << j for j in range(b))  # KVW-ROT-3
                     if spec.group_axis == "tokens":
                         g = (h * -(-M // G) + m // G) * D + d
                     else:
                         g = (h * M + m) * -(-D // G) + d // G
-                    if spec.symmetric:
+                    if gaussian:
+                        x = f32(gaussian_level(b, u) * scales[g])
+                    elif spec.symmetric:
                         x = f32((u - (1 << (b - 1))) * scales[g])
                     else:
                         x = f32(f32(u * scales[g]) + zeros[g])
-                    out[h][P + m][d] = to_dtype(x, dtype)
+                    row.append(x)
+                if rotation == "hadamard":
+                    row = hadamard_inverse(row, spec.rotation_seed)
+                for d in range(D):
+                    out[h][P + m][d] = to_dtype(row[d], dtype)
     return b"".join(out[h][t][d] for h in range(H) for t in range(T) for d in range(D))
 
 

@@ -386,6 +386,9 @@ CODEC_SPEC_V1_1 = [('codec', 'Codec', 0), ('lossless', 'Codec', 1), ('fp8_format
                    ('scale_granularity', 'ScaleGranularity', 3), ('bits', 'ubyte', 4), ('group_size', 'uint', 5),
                    ('group_axis', 'GroupAxis', 6), ('symmetric', 'bool', 7), ('scale_dtype', 'DType', 8),
                    ('sink_tokens', 'uint', 9), ('residual_tokens', 'uint', 10)]
+# revision 1.2 (spec/codecs.md section 8): appended with the next ids, never inserted
+CODEC_SPEC_V1_2 = CODEC_SPEC_V1_1 + [('rotation', 'Rotation', 11), ('rotation_seed', 'ulong', 12),
+                                     ('codebook', 'Codebook', 13)]
 
 
 def test_evol7_codec_spec_table_is_pinned():
@@ -396,9 +399,9 @@ def test_evol7_codec_spec_table_is_pinned():
     from kvwire.format.codec_specs import _FIELDS
 
     tables, _ = current()
-    assert tables["CodecSpec"][: len(CODEC_SPEC_V1_1)] == CODEC_SPEC_V1_1
+    assert tables["CodecSpec"][: len(CODEC_SPEC_V1_2)] == CODEC_SPEC_V1_2
     assert ("codec_specs", "[CodecSpec]", 18) in tables["Header"]
-    assert [(a, fid) for a, fid, _ in _FIELDS] == [(n, i) for n, _, i in CODEC_SPEC_V1_1]
+    assert [(a, fid) for a, fid, _ in _FIELDS] == [(n, i) for n, _, i in CODEC_SPEC_V1_2]
 
 
 def test_stream_decoder_placement_receives_decoded_lossy_chunks():

@@ -129,7 +129,10 @@ def test_lossy3_decode_equals_the_literal_reference(spec, dtype, H, T, D, seed, 
     spec = replace(spec, sink_tokens=sink, residual_tokens=resid)
     x = (np.random.default_rng(seed).standard_normal((H, T, D)) * scale).astype(DTYPES[dtype])
     lo, hi = max(0, t0 - 2), t0 + T + 3
-    out, _, lay = _encode_decode(spec, x, t0, lo, hi)
+    try:
+        out, _, lay = _encode_decode(spec, x, t0, lo, hi)
+    except quant.NotFaithful:  # a group too narrow for the scale dtype: the writer stores it losslessly
+        return  # (KVW-LOSSY-5; test_lossy5_* covers the refusals)
     P, Q = lay.P, lay.Q
     assert (P, Q) == ref.token_split(spec, t0, t0 + T, lo, hi)
     kept = np.r_[0:P, T - Q:T]
@@ -294,7 +297,8 @@ from kvwire.codecs.presets import resolve  # noqa: E402
 from kvwire.codecs.scales import LARGEST, PRECISION, SMALLEST  # noqa: E402
 
 LOSSY_PRESETS = sorted(n for n in PRESETS if isinstance(resolve(PRESETS[n], "k"), CodecSpec)
-                       and resolve(PRESETS[n], "k").lossy)
+                       and resolve(PRESETS[n], "k").lossy
+                       and resolve(PRESETS[n], "k").rotation == "none")  # rotated: tests/test_rotation.py
 PRESET_SPECS = [(n, c) for n in LOSSY_PRESETS for c in ("k", "v") if c == "k" or isinstance(PRESETS[n], dict)]
 EXTREME_SPECS = PRESET_SPECS + [
     (f"int{b}-{a}-{'sym' if s else 'asym'}-{sd}", CodecSpec("int_affine", bits=b, group_size=G, group_axis=a,

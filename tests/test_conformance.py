@@ -42,9 +42,10 @@ VECTORS = ROOT / "conformance" / "vectors"
 # 0c53990d... (+ sparse_codecs: codec specs in sparse containers),
 # 9bec6d3f... (+ parse_budget: KVW-LIM-7 FlatBuffer DAGs),
 # 4b4d8d31... (+ final_1_0, lossy_extremes, stream_hostile),
-# fb7225bf... (+ kv_scales: revision 1.1, per-layer fp8 scales, spec section 5.10; format 1.1 containers).
+# fb7225bf... (+ kv_scales: revision 1.1, per-layer fp8 scales, spec section 5.10; format 1.1 containers),
+# 5645761f... (+ rotation: revision 1.2, spec/codecs.md section 8; format 1.2 containers).
 PINNED_MANIFESTS = {
-    "1.0": "fb7225bf44267ed200ee16ebd2a795af1dc6accffc40d2757f93593e6bcaeaca",
+    "1.0": "5645761fae662e8f77bfcf23b6b5fd6795a2d01d677dd6ce821f77549e71cc90",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {

@@ -353,3 +353,36 @@ def test_encode_lossy_off_and_short_buffer(lib):
             native.encode_lossy(h, rec, x.view(np.uint8).reshape(-1), out=np.zeros(10, np.uint8))
     finally:
         native.disable()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("kind", ["plain", "extreme", "zeros", "edge"])
+def test_encode_lossy_channels_identical(lib, dtype, kind):
+    """Groups along channels (the AVX2 kernels where G and D are multiples of 8, the
+    portable loops otherwise): the numpy encoder's body or refusal byte for byte, for
+    partial tail groups, G above D, G = 1, one token, signed zeros and values near the
+    dtypes' ends (1e-30, 6e4: scales rounded up, NotFaithful), every bit width and scale
+    dtype, symmetric or not."""
+    geoms = [(8, 24, 5), (16, 40, 3), (32, 8, 1), (8, 8, 1), (24, 64, 7), (32, 128, 9), (128, 128, 2),
+             (1, 8, 3), (3, 16, 4), (32, 72, 2)]
+    rng = np.random.default_rng(18 + len(dtype) + len(kind))
+    for G, D, M in geoms:
+        for bits in (2, 4, 8):
+            for sym in (False, True):
+                for sd in ("bf16", "f16", "f32"):
+                    spec = CodecSpec("int_affine", bits=bits, group_size=G, group_axis="channels", symmetric=sym,
+                                     scale_dtype=sd)
+                    h = header(dtype, 2, D, D, M, [spec])
+                    lay = quant.layout(spec, dtype, 2, D, 0, M, *lossy_range(h, 0))
+                    if kind == "edge":
+                        x = values(rng, (2, M, D), dtype, False).astype(np.float32)
+                        flat = x.reshape(-1)
+                        idx = rng.integers(0, flat.size, max(1, flat.size // 8))
+                        flat[idx] = rng.choice([1e-30, -1e-30, 6e4, -6e4, 0.0, -0.0, 1e-7], idx.size)
+                        x = (x.view("<u4") >> 16).astype("<u2").view(R.DTYPES["bf16"][2]) if dtype == "bf16" else \
+                            x.astype({"f16": "<f2", "f32": "<f4"}[dtype])
+                    else:
+                        x = _extreme_values(rng, (2, M, D), dtype, kind)
+                    rec = native.record(h, spec.codec, 1, 0, x.nbytes, x.shape, 0, 0)
+                    a, b = _encode_both(h, spec, x, lay, dtype, rec)
+                    assert a == b, (G, D, M, bits, sym, sd)

@@ -1,5 +1,5 @@
 /*
- * libkvwire: a C11 implementation of the kvwire format (spec/kvwire-v1.md, revision 1.1,
+ * libkvwire: a C11 implementation of the kvwire format (spec/kvwire-v1.md, revision 1.2,
  * with the companions spec/codecs.md, spec/sparse.md and spec/crossmodel.md).
  *
  * Why a C library: the engines and stores around KV caches are C and C++ (or call C), and a
@@ -29,7 +29,7 @@ extern "C" {
 
 #define KVW_VERSION_STRING "0.1.0"
 #define KVW_FORMAT_MAJOR 1
-#define KVW_FORMAT_MINOR 1 /* the newest revision this library implements */
+#define KVW_FORMAT_MINOR 2 /* the newest revision this library implements */
 
 /* ------------------------------------------------------------------------------------ */
 /* Error codes: spec/kvwire-v1.md section 18, in registry (alphabetical) order.           */
@@ -167,6 +167,9 @@ typedef enum kvw_scale_granularity {
     KVW_SCALE_TENSOR = 0, KVW_SCALE_HEAD = 1, KVW_SCALE_TOKEN = 2
 } kvw_scale_granularity;
 typedef enum kvw_group_axis { KVW_GROUP_TOKENS = 0, KVW_GROUP_CHANNELS = 1 } kvw_group_axis;
+/* Revision 1.2 (spec/codecs.md section 8): int_affine's rotation stage and codebook. */
+typedef enum kvw_rotation { KVW_ROTATION_NONE = 0, KVW_ROTATION_HADAMARD = 1 } kvw_rotation;
+typedef enum kvw_codebook { KVW_CODEBOOK_UNIFORM = 0, KVW_CODEBOOK_GAUSSIAN = 1 } kvw_codebook;
 
 #define KVW_CHECKSUM_XXH3_64 0
 
@@ -175,7 +178,8 @@ typedef enum kvw_group_axis { KVW_GROUP_TOKENS = 0, KVW_GROUP_CHANNELS = 1 } kvw
 #define KVW_FEATURE_SPARSE       (UINT64_C(1) << 1)
 #define KVW_FEATURE_STATE_LAYERS (UINT64_C(1) << 2)
 #define KVW_FEATURE_KV_SCALES    (UINT64_C(1) << 3) /* revision 1.1 */
-#define KVW_FEATURES_KNOWN       (UINT64_C(0xF))
+#define KVW_FEATURE_ROTATION     (UINT64_C(1) << 4) /* revision 1.2 (codecs.md KVW-ROT-1) */
+#define KVW_FEATURES_KNOWN       (UINT64_C(0x1F))
 
 /* Registry names ("bf16", "byteplane_zstd", "latent", "sliding_attention", "llama3",
  * "alias", "token", "channels"); NULL for a code outside the registry. */
@@ -187,6 +191,8 @@ const char *kvw_rope_type_name(int code);
 const char *kvw_map_op_name(int code);
 const char *kvw_scale_granularity_name(int code);
 const char *kvw_group_axis_name(int code);
+const char *kvw_rotation_name(int code); /* "none", "hadamard" */
+const char *kvw_codebook_name(int code); /* "uniform", "gaussian" */
 /* Element size in bytes of a dtype (1, 2 or 4), 0 for a code outside the registry. */
 unsigned kvw_dtype_size(int code);
 
@@ -300,7 +306,15 @@ typedef struct kvw_codec_spec {
     uint8_t scale_dtype;       /* default F32 */
     uint32_t sink_tokens;
     uint32_t residual_tokens;
+    /* Revision 1.2: read and written only with required bit 4 (KVW-ROT-1); the defaults
+     * (none, 0, uniform) otherwise. */
+    uint8_t rotation;          /* kvw_rotation, default NONE */
+    uint64_t rotation_seed;    /* SplitMix64 seed of the sign vector (KVW-ROT-5) */
+    uint8_t codebook;          /* kvw_codebook, default UNIFORM */
 } kvw_codec_spec;
+
+/* 1 when the spec needs required bit 4: rotation hadamard, codebook gaussian or bits 3. */
+int kvw_codec_spec_uses_rotation(const kvw_codec_spec *c);
 
 typedef struct kvw_sparse_info {
     kvw_bytes method;

@@ -40,8 +40,14 @@ kvw_code kvwc_lossy_geometry(const kvw_header *h, const kvw_record *rec,
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-CSPEC-4", "scale_granularity %u",
                             s->scale_granularity);
     } else if (s->codec == KVW_CODEC_INT_AFFINE) {
-        if (s->bits != 2 && s->bits != 4 && s->bits != 8)
+        int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0;
+        if (s->bits != 2 && s->bits != 4 && s->bits != 8 && !(rot && s->bits == 3))
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-INT-1", "bits %u", s->bits);
+        if (s->rotation > KVW_ROTATION_HADAMARD || s->codebook > KVW_CODEBOOK_GAUSSIAN ||
+            (s->codebook == KVW_CODEBOOK_GAUSSIAN && (!s->symmetric || s->bits == 8)))
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-2",
+                            "rotation %u, codebook %u (symmetric %u, bits %u)", s->rotation,
+                            s->codebook, s->symmetric, s->bits);
         if (s->scale_dtype > KVW_DTYPE_F32)
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-INT-1", "scale_dtype %u",
                             s->scale_dtype);

@@ -111,4 +111,53 @@ kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, co
 int kvwc_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                    const uint8_t *raw, uint8_t *body);
 
+
+/* ---- int_affine parameters and revision 1.2 (codecs_rot.c, spec/codecs.md section 8) ---- */
+/* The body's scales (and zeros after them, g->nparams each) as fp32 in a malloc'ed array
+ * (*out, the caller frees), checked (KVW-INT-3), and the code padding bits (INT-4, ROT-3). */
+kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint8_t *params,
+                         const uint8_t *codes, float **out, kvw_error *err);
+/* Decode the quantized part of an int_affine body whose spec uses rotation, the gaussian
+ * codebook or 3-bit codes (KVW-ROT-3..6), row by row, into out. */
+kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                         const uint8_t *params, const uint8_t *codes, uint8_t *out,
+                         kvw_error *err);
+/* The Hadamard block of a row of D channels: the largest power of two dividing D (D > 0). */
+static inline uint64_t kvwc_rot_block(uint64_t D) { return D & (~D + 1); }
+/* c_B = fp32(1 / sqrt(B)) rounded to nearest (section 8.4). */
+float kvwc_rot_cb(uint64_t B);
+/* The sign vector of KVW-ROT-5 as D sign-bit masks (0 or 0x80000000). */
+void kvwc_rot_signs(uint64_t seed, uint64_t D, uint32_t *mask);
+/* The butterflies of KVW-ROT-6 on one row (blocks of B), in place; then, with post, every
+ * y[d] = (y[d] * cb) ^ mask[d] (the decoder's order; the encoder's is signs first). The
+ * AVX2 build (codecs_rot_avx2.c) is chosen at run time; kvwc_rot_row_portable is the other. */
+void kvwc_rot_row(float *y, uint64_t D, uint64_t B, float cb, const uint32_t *mask);
+void kvwc_rot_row_portable(float *y, uint64_t D, uint64_t B, float cb, const uint32_t *mask);
+int kvwc_rot_avx2_built(void);
+void kvwc_rot_row_avx2(float *y, uint64_t D, uint64_t B, float cb, const uint32_t *mask);
+/* The decoder's other row steps in AVX2 (n a multiple of 8; the same values as the portable
+ * loops of codecs_rot.c): x = lv[u] * s (+ z) for codes below 16, and fp32 -> bf16 bits. */
+void kvwc_rot_dequant_avx2(const uint8_t *u, const float *lv, const float *s, const float *z,
+                           float *x, uint64_t n);
+void kvwc_rot_to_bf16_avx2(const float *x, uint16_t *out, uint64_t n);
+/* The 2^b fp32 levels C_b of the gaussian codebook into lv (b = 2, 3 or 4; KVW-ROT-4). */
+void kvwc_codebook_levels(unsigned b, float *lv);
+/* codecs_qenc.c's int_affine encoder of the quantized part x (fp32, [H, M, D]) with the
+ * reference writer's scales (KVW-INT-6, section 3.1); codes are or-ed into zeroed bytes. */
+kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                         const float *x, uint8_t *params, uint8_t *codes, kvw_error *err);
+/* Revision 1.2 encoders (codecs_rot_enc.c): the quantized part x (fp32, rotated in place when
+ * the spec rotates) into the lossy body `body` (kept tokens already there, the parameters
+ * and codes zeroed), then KVW-ROT-7 / LOSSY-5 checked on the decoded result
+ * (KVW_ERR_UNSUPPORTED: store losslessly). kvwc_rot_qenc_fast: the same from one
+ * contiguous chunk; 0 when the careful path must encode it. */
+kvw_code kvwc_rot_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                         float *x, uint8_t *body, kvw_error *err);
+int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                       const uint8_t *raw, uint8_t *body);
+/* codecs_qenc_fast.c's uniform int_affine fast path over the fp32 quantized part x ([H, M,
+ * D]; the header dtype's bands, as kvwc_encode_int): 0 when the careful path must encode. */
+int kvwc_qenc_int_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                      const float *x, uint8_t *params, uint8_t *codes);
+
 #endif /* KVW_CODECS_IMPL_H */

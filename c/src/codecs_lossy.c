@@ -169,11 +169,11 @@ static void unpack(const uint8_t *codes, uint64_t i0, size_t n, unsigned b,
     for (unsigned j = 0; k < n; k++, j++) u[k] = (uint8_t)((*p >> (j * b)) & mask);
 }
 
-static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                           const uint8_t *params, const uint8_t *codes, uint8_t *out,
-                           kvw_error *err) {
+kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint8_t *params,
+                         const uint8_t *codes, float **out, kvw_error *err) {
     uint64_t np = g->nparams;
     unsigned ps = g->psize, b = g->bits;
+    *out = NULL;
     /* np floats per parameter array: np * 4 <= 2 * (bytes of the parameters in the body). */
     float *sc = (float *)malloc(np ? (size_t)np * sizeof(float) * (g->zeros ? 2u : 1u) : 1u);
     if (!sc) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "int_affine: %llu parameters",
@@ -199,13 +199,25 @@ static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const k
         }
         zr[k] = v;
     }
-    uint64_t used = (g->H * g->M * g->D * b) % 8; /* KVW-INT-4: zero padding bits */
+    uint64_t used = (g->H * g->M * g->D * b) % 8; /* KVW-INT-4 / ROT-3: zero padding bits */
     if (used && (codes[g->code_bytes - 1] >> used)) {
         free(sc);
-        return kvw_fail(err, KVW_DECODE_FAILED, "KVW-INT-4",
+        return kvw_fail(err, KVW_DECODE_FAILED, b == 3 ? "KVW-ROT-3" : "KVW-INT-4",
                         "int_affine: padding bits after the last code are not zero (last byte "
                         "0x%02X, %u bits used)", codes[g->code_bytes - 1], (unsigned)used);
     }
+    *out = sc;
+    return KVW_OK;
+}
+
+static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                           const uint8_t *params, const uint8_t *codes, uint8_t *out,
+                           kvw_error *err) {
+    unsigned b = g->bits;
+    float *sc;
+    kvw_code rc = kvwc_int_params(s, g, params, codes, &sc, err);
+    if (rc) return rc;
+    float *zr = g->zeros ? sc + g->nparams : NULL;
     uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w, G = s->group_size, n = M * D;
     int tokens_axis = s->group_axis == KVW_GROUP_TOKENS;
     float half = (float)(1u << (b - 1));
@@ -296,5 +308,7 @@ kvw_code kvwc_lossy_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     if (!M || !g->D) return KVW_OK;
     const uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
     if (s->codec == KVW_CODEC_FP8) return fp8_decode(h, s, g, params, codes, out, err);
+    if (kvw_codec_spec_uses_rotation(s)) /* revision 1.2: codecs_rot.c */
+        return kvwc_rot_decode(h, s, g, params, codes, out, err);
     return int_decode(h, s, g, params, codes, out, err);
 }

@@ -165,8 +165,8 @@ static grp group_of(const kvw_codec_spec *s, const kvwc_geom *g, uint64_t k) {
     return r;
 }
 
-static kvw_code encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                           const float *x, uint8_t *params, uint8_t *codes, kvw_error *err) {
+kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                         const float *x, uint8_t *params, uint8_t *codes, kvw_error *err) {
     uint64_t np = g->nparams;
     unsigned dt = h->dtype, sd = s->scale_dtype, b = s->bits, ps = g->psize;
     int sym = s->symmetric;
@@ -261,6 +261,7 @@ static kvw_code encode_int(const kvw_header *h, const kvw_codec_spec *s, const k
             unsigned u = (unsigned)y;
             uint64_t bit = e * b;
             codes[bit >> 3] |= (uint8_t)(u << (bit & 7));
+            if ((bit & 7) + b > 8) codes[(bit >> 3) + 1] |= (uint8_t)(u >> (8 - (bit & 7))); /* ROT-3 */
         }
     }
     free(mn);
@@ -305,7 +306,8 @@ kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, co
     if (M && H && D) {
         uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
         rc = s->codec == KVW_CODEC_FP8 ? encode_fp8(h, s, g, x, params, codes, err)
-                                       : encode_int(h, s, g, x, params, codes, err);
+           : kvw_codec_spec_uses_rotation(s) ? kvwc_rot_encode(h, s, g, x, body, err)
+                                             : kvwc_encode_int(h, s, g, x, params, codes, err);
     }
 done:
     free(x);

@@ -12,9 +12,10 @@
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_qenc_prm.h"
+#include "codecs_qenc_simd.h"
 
-#define MAXD 1024 /* longest row (int tokens axis) or group run kept on the stack */
-#define INL static inline __attribute__((always_inline))
+#define MAXD KVWC_QCH_MAXD /* longest row (int tokens axis) or group run kept on the stack */
 
 static const float SMALLEST[3] = {0x1p-133f, 0x1p-24f, 0x1p-149f}; /* bf16, f16, f32 */
 static const float LARGEST[3] = {3.3895313892515355e38f, 65504.0f, FLT_MAX};
@@ -26,39 +27,6 @@ INL float ld(const uint8_t *p, size_t i, unsigned dt) {
     memcpy(&u, p + 2 * i, 2);
     return dt == KVW_DTYPE_BF16 ? kvwc_bits_f32((uint32_t)u << 16) : kvwc_from_f16(u);
 }
-/* rint(|y|) for 0 <= |y| < 2^23, as an integer. */
-INL uint32_t rint_abs(float ay) { return kvwc_f32_bits(ay + 8388608.0f) & 0x7FFFFFu; }
-/* kvwc_to_f16 / kvwc_from_f16 without branches (so that loops over groups vectorise), for
- * finite fp32 (the fast path sees no other): below 2^-14 the f16 subnormal code is
- * rint(|v| * 2^24), the product exact and |v| * 2^24 < 2^10; the rest is the same integer
- * rounding as kvwc_to_f16. */
-INL uint32_t to_f16(float v) {
-    uint32_t u = kvwc_f32_bits(v), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    uint32_t r = a - 0x38000000u;
-    uint32_t nrm = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
-    uint32_t sub = rint_abs(kvwc_bits_f32(a) * 0x1p24f);
-    uint32_t m = a >= 0x477FF000u ? 0x7C00u : a >= 0x38800000u ? nrm : sub;
-    return sign | m;
-}
-INL float from_f16(uint32_t h) {
-    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    float sub = kvwc_bits_f32(sign | kvwc_f32_bits((float)m * 5.9604644775390625e-8f));
-    float big = kvwc_bits_f32(sign | (e == 0x1F ? 0x7F800000u : (e + 112u) << 23) | (m << 13));
-    return e == 0 ? sub : big;
-}
-INL uint32_t nearest_bits(float v, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_f32_bits(v) : dt == KVW_DTYPE_F16 ? to_f16(v) : kvwc_to_bf16(v);
-}
-INL float bits_value(uint32_t b, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b)
-         : dt == KVW_DTYPE_F16 ? from_f16(b) : kvwc_from_bf16((uint16_t)b);
-}
-INL uint32_t round_up_f(float v, unsigned dt) {
-    uint32_t r = nearest_bits(v, dt);
-    if (dt != KVW_DTYPE_F32 && bits_value(r, dt) < v) r++;
-    return r;
-}
-
 /* Largest magnitude bits of n elements (the dtype's bits without sign; >= inf: not finite). */
 INL uint32_t max_abs_bits(const uint8_t *p, size_t n, unsigned dt) {
     uint32_t m = 0;
@@ -142,59 +110,6 @@ INL int fp8_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *
 }
 
 /* ---- int_affine ------------------------------------------------------------------------- */
-typedef struct { float qmax, lo, hi, half; unsigned sd, b, ps; int sym; uint64_t np; } iprm;
-
-/* Scale and zero of a group with extremes a <= c (codecs_qenc.c's first pass), scale dtype
- * sd; 0 when the group is near the extremes (the careful path then encodes the chunk). */
-INL int gparams(const iprm *q, unsigned sd, int sym, float a, float c, float *sv, float *zv,
-                float *den) {
-    float amax = (-a > c ? -a : c) + 0.0f; /* +0, never -0 (kernels.amax_of) */
-    uint32_t sb, zb = 0;
-    if (sym) {
-        sb = round_up_f(amax / q->qmax, sd);
-    } else {
-        zb = nearest_bits(a, sd);
-        float z = bits_value(zb, sd), fit = (c - z) / q->qmax;
-        sb = round_up_f(fit > 0 ? fit : 0.0f, sd);
-    }
-    *sv = bits_value(sb, sd), *zv = bits_value(zb, sd);
-    /* sv == 0 only for an asymmetric group with c <= z: every x - z <= 0 clamps to code 0,
-     * as the careful path's y = 0 does; dividing by 1 keeps the lanes finite. */
-    *den = *sv > 0 ? *sv : 1.0f;
-    return (amax >= q->lo) & (amax <= q->hi);
-}
-/* n groups' parameters at once (tokens axis: a row of channels; channels axis: a row's
- * groups), stored from index k; 0 when one is near the extremes. */
-INL int row_params_sd(const iprm *q, unsigned sd, int sym, size_t n, const float *mn, const float *mx,
-                      float *sv, float *zv, float *den, uint8_t *params, uint64_t k) {
-    int ok = 1;
-    const iprm lq = *q; /* a local copy: the stores below cannot alias it */
-    for (size_t d = 0; d < n; d++) {
-        float s1, z1, d1;
-        ok &= gparams(&lq, sd, sym, mn[d], mx[d], &s1, &z1, &d1);
-        sv[d] = s1, zv[d] = z1, den[d] = d1;
-    }
-    if (!ok) return 0;
-    if (sd == KVW_DTYPE_F32) {
-        for (size_t d = 0; d < n; d++) kvw_st32(params + 4 * (k + d), nearest_bits(sv[d], sd));
-        for (size_t d = 0; !sym && d < n; d++) kvw_st32(params + 4 * (q->np + k + d), nearest_bits(zv[d], sd));
-    } else {
-        for (size_t d = 0; d < n; d++) kvw_st16(params + 2 * (k + d), (uint16_t)nearest_bits(sv[d], sd));
-        for (size_t d = 0; !sym && d < n; d++)
-            kvw_st16(params + 2 * (q->np + k + d), (uint16_t)nearest_bits(zv[d], sd));
-    }
-    return 1;
-}
-static int row_params(const iprm *q, size_t n, const float *mn, const float *mx, float *sv,
-                      float *zv, float *den, uint8_t *params, uint64_t k) {
-#define RP(SD, SYM) row_params_sd(q, SD, SYM, n, mn, mx, sv, zv, den, params, k)
-    if (q->sym)
-        return q->sd == KVW_DTYPE_BF16 ? RP(KVW_DTYPE_BF16, 1) : q->sd == KVW_DTYPE_F16 ? RP(KVW_DTYPE_F16, 1)
-                                                              : RP(KVW_DTYPE_F32, 1);
-    return q->sd == KVW_DTYPE_BF16 ? RP(KVW_DTYPE_BF16, 0) : q->sd == KVW_DTYPE_F16 ? RP(KVW_DTYPE_F16, 0)
-                                                          : RP(KVW_DTYPE_F32, 0);
-#undef RP
-}
 /* One code: clamp, round to nearest even, offset (symmetric). */
 INL uint32_t icode(float y, float qmax, float half, int sym) {
     float loc = sym ? -qmax : 0.0f;
@@ -210,6 +125,14 @@ static void pack(const uint8_t *c, size_t n, unsigned b, uint8_t *out) {
     if (b == 8) { memcpy(out, c, n); return; }
     if (b == 4) {
         for (size_t j = 0; j < n / 2; j++) out[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+        return;
+    }
+    if (b == 3) { /* revision 1.2: 8 codes in 3 bytes, least significant first (KVW-ROT-3) */
+        for (size_t j = 0; j < n / 8; j++) {
+            uint32_t v = 0;
+            for (unsigned q = 0; q < 8; q++) v |= (uint32_t)c[8 * j + q] << (3 * q);
+            out[3 * j] = (uint8_t)v, out[3 * j + 1] = (uint8_t)(v >> 8), out[3 * j + 2] = (uint8_t)(v >> 16);
+        }
         return;
     }
     for (size_t j = 0; j < n / 4; j++)
@@ -291,23 +214,36 @@ INL void extremes(const uint8_t *p, size_t n, unsigned dt, float *a, float *c) {
     *a = x, *c = y;
 }
 
+/* Groups along channels. When vec, the AVX2 kernels (codecs_qenc_avx2.c) take the three
+ * steps, the extremes also finding non-finite input, for blocks of rows that stay in L1
+ * between the passes; the parameters are the same row_params source either way. */
+#define VEC_BLOCK 8192 /* bytes of input rows per block on the AVX2 path */
 INL int int_channels(const iprm *q, const kvwc_geom *g, uint64_t G, const uint8_t *raw,
-                     uint8_t *params, uint8_t *codes, unsigned dt) {
+                     uint8_t *params, uint8_t *codes, unsigned dt, int vec) {
     uint64_t T = g->T, M = g->M, D = g->D, w = g->w, rowb = D * w, gd = g->gd;
     uint64_t R = MAXD / gd; /* rows whose groups' parameters are made together */
+    if (vec && R * rowb > VEC_BLOCK) R = VEC_BLOCK / rowb > 0 ? VEC_BLOCK / rowb : 1;
     float mn[MAXD], mx[MAXD], sv[MAXD], zv[MAXD], den[MAXD];
     uint8_t cb[MAXD];
     for (uint64_t hh = 0; hh < g->H; hh++)
         for (uint64_t m0 = 0; m0 < M; m0 += R) {
             uint64_t nr = M - m0 < R ? M - m0 : R;
             const uint8_t *rows = raw + (hh * T + g->P + m0) * rowb;
-            for (uint64_t r = 0; r < nr; r++)
+            uint8_t *out = codes + (hh * M + m0) * D * q->b / 8;
+            if (vec && !kvwc_qch_extremes_avx2(rows, (size_t)nr, (size_t)D, (size_t)G, dt, mn, mx))
+                return 0; /* NaN or infinity: LOSSY-6 on the careful path */
+            for (uint64_t r = 0; !vec && r < nr; r++)
                 for (uint64_t c = 0; c < gd; c++) {
                     uint64_t d0 = c * G, n = D - d0 < G ? D - d0 : G;
                     extremes(rows + r * rowb + d0 * w, (size_t)n, dt, &mn[r * gd + c], &mx[r * gd + c]);
                 }
-            if (!row_params(q, (size_t)(nr * gd), mn, mx, sv, zv, den, params, (hh * M + m0) * gd))
+            if (!(vec ? kvwc_qch_params_avx2 : row_params)(q, (size_t)(nr * gd), mn, mx, sv, zv, den, params,
+                                                            (hh * M + m0) * gd))
                 return 0;
+            if (vec) {
+                kvwc_qch_codes_avx2(rows, (size_t)nr, (size_t)D, (size_t)G, dt, zv, den, q->sym, q->b, out);
+                continue;
+            }
             for (uint64_t r = 0; r < nr; r++) {
                 const uint8_t *row = rows + r * rowb;
                 for (uint64_t c = 0; c < gd; c++) { /* a group: its scale and zero constants */
@@ -321,29 +257,39 @@ INL int int_channels(const iprm *q, const kvwc_geom *g, uint64_t G, const uint8_
                         for (size_t i = 0; i < n; i++)
                             cb[d0 + i] = (uint8_t)icode((ld(p, i, dt) - z) / dv, q->qmax, q->half, 0);
                 }
-                pack(cb, (size_t)D, q->b, codes + (hh * M + m0 + r) * D * q->b / 8);
+                pack(cb, (size_t)D, q->b, out + r * D * q->b / 8);
             }
         }
     return 1;
 }
 
+static int use_avx2(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    return kvwc_qch_avx2_built() && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
 INL int int_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                 const uint8_t *raw, uint8_t *params, uint8_t *codes, unsigned dt) {
+                 const uint8_t *raw, uint8_t *params, uint8_t *codes, unsigned dt, unsigned bd) {
     iprm q;
     q.sd = s->scale_dtype, q.b = s->bits, q.ps = g->psize, q.sym = s->symmetric;
     q.np = g->nparams;
     q.qmax = (float)(q.sym ? (1u << (q.b - 1)) - 1u : (1u << q.b) - 1u);
     q.half = (float)(1u << (q.b - 1));
     q.lo = kvwc_bits_f32((uint32_t)(127 + PRECISION[q.sd]) << 23) * SMALLEST[q.sd];
-    q.hi = (LARGEST[dt] < LARGEST[q.sd] ? LARGEST[dt] : LARGEST[q.sd]) / 4;
-    if (q.lo < 4 * SMALLEST[dt]) q.lo = 4 * SMALLEST[dt];
+    q.hi = (LARGEST[bd] < LARGEST[q.sd] ? LARGEST[bd] : LARGEST[q.sd]) / 4; /* bd: header dtype */
+    if (q.lo < 4 * SMALLEST[bd]) q.lo = 4 * SMALLEST[bd];
     (void)h;
-    for (uint64_t hh = 0; hh < g->H; hh++) /* LOSSY-6: the careful path says which element */
+    int chan = s->group_axis != KVW_GROUP_TOKENS;
+    int vec = chan && s->group_size % 8 == 0 && g->D % 8 == 0 && s->bits != 3 && use_avx2(); /* packs 8/4/2 */
+    for (uint64_t hh = 0; !vec && hh < g->H; hh++) /* LOSSY-6: the careful path says which element */
         if (max_abs_bits(raw + (hh * g->T + g->P) * g->D * g->w, (size_t)(g->M * g->D), dt) >=
             inf_bits(dt))
             return 0;
-    return s->group_axis == KVW_GROUP_TOKENS ? int_tokens(&q, g, s->group_size, raw, params, codes, dt)
-                                             : int_channels(&q, g, s->group_size, raw, params, codes, dt);
+    return chan ? int_channels(&q, g, s->group_size, raw, params, codes, dt, vec)
+                : int_tokens(&q, g, s->group_size, raw, params, codes, dt);
 }
 
 static int fp8_bf16(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
@@ -353,16 +299,26 @@ static int fp8_f16(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom
 static int fp8_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                    const uint8_t *raw, uint8_t *p, uint8_t *c) { return fp8_fast(h, s, g, raw, p, c, KVW_DTYPE_F32); }
 static int int_bf16(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                    const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_BF16); }
+                    const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_BF16, KVW_DTYPE_BF16); }
 static int int_f16(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                   const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_F16); }
+                   const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_F16, KVW_DTYPE_F16); }
 static int int_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                   const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_F32); }
+                   const uint8_t *raw, uint8_t *p, uint8_t *c) { return int_fast(h, s, g, raw, p, c, KVW_DTYPE_F32, KVW_DTYPE_F32); }
+
+int kvwc_qenc_int_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                      const float *x, uint8_t *params, uint8_t *codes) {
+    kvwc_geom g2 = *g; /* x is the quantized part alone, in fp32 */
+    g2.T = g->M, g2.P = 0, g2.Q = 0, g2.w = 4;
+    if (h->dtype > KVW_DTYPE_F32 || g->D > MAXD || (g->D * s->bits) % 8 || s->scale_dtype > KVW_DTYPE_F32)
+        return 0;
+    return int_fast(h, s, &g2, (const uint8_t *)(const void *)x, params, codes, KVW_DTYPE_F32, h->dtype);
+}
 
 int kvwc_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                    const uint8_t *raw, uint8_t *body) {
     unsigned dt = h->dtype;
     if (dt > KVW_DTYPE_F32 || g->D > MAXD || !g->M || !g->H || !g->D) return 0;
+    int rot = s->codec == KVW_CODEC_INT_AFFINE && kvw_codec_spec_uses_rotation(s);
     if (s->codec == KVW_CODEC_INT_AFFINE &&
         ((g->D * s->bits) % 8 || s->scale_dtype > KVW_DTYPE_F32 || s->group_size == 0))
         return 0;
@@ -372,6 +328,7 @@ int kvwc_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom
         memcpy(body + hh * g->P * rowb, raw + hh * g->T * rowb, (size_t)(g->P * rowb));
         memcpy(resid + hh * g->Q * rowb, raw + (hh * g->T + g->P + g->M) * rowb, (size_t)(g->Q * rowb));
     }
+    if (rot) return kvwc_rot_qenc_fast(h, s, g, raw, body); /* revision 1.2: codecs_rot_enc.c */
     uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
     typedef int (*fast_fn)(const kvw_header *, const kvw_codec_spec *, const kvwc_geom *,
                            const uint8_t *, uint8_t *, uint8_t *);

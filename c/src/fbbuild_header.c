@@ -219,7 +219,8 @@ static uint32_t build_prefix(fbb *b, const kvw_prefix *p) {
     return kvw_fbb_table_end(b, &t);
 }
 
-static uint32_t build_codec_specs(fbb *b, const kvw_codec_spec *cs, uint32_t n) {
+/* Fields 11-13 (revision 1.2) only with required bit 4 (KVW-ROT-1: not without it). */
+static uint32_t build_codec_specs(fbb *b, const kvw_codec_spec *cs, uint32_t n, int rot) {
     if (!n || too_many(b, n)) return 0;
     uint32_t *offs = malloc(sizeof *offs * n);
     if (!offs) { b->failed = 1; return 0; }
@@ -237,6 +238,11 @@ static uint32_t build_codec_specs(fbb *b, const kvw_codec_spec *cs, uint32_t n) 
         kvw_fbb_t_scalar(&t, 8, 1, c->scale_dtype, KVW_DTYPE_F32);
         kvw_fbb_t_scalar(&t, 9, 4, c->sink_tokens, 0);
         kvw_fbb_t_scalar(&t, 10, 4, c->residual_tokens, 0);
+        if (rot) {
+            kvw_fbb_t_scalar(&t, 11, 1, c->rotation, KVW_ROTATION_NONE);
+            kvw_fbb_t_scalar(&t, 12, 8, c->rotation_seed, 0);
+            kvw_fbb_t_scalar(&t, 13, 1, c->codebook, KVW_CODEBOOK_UNIFORM);
+        }
         offs[i] = kvw_fbb_table_end(b, &t);
     }
     uint32_t v = kvw_fbb_table_vec(b, offs, n);
@@ -290,7 +296,8 @@ kvw_code kvw_header_encode(const kvw_header *h, uint8_t **out, size_t *out_len, 
     uint32_t metadata = build_metadata(&b, h->metadata, h->metadata ? h->metadata_count : 0);
     if (h->has_engine_layout) engine = build_engine_layout(&b, &h->engine_layout);
     if (h->has_prefix) prefix = build_prefix(&b, &h->prefix);
-    uint32_t cspecs = build_codec_specs(&b, h->codec_specs, h->codec_specs ? h->codec_spec_count : 0);
+    uint32_t cspecs = build_codec_specs(&b, h->codec_specs, h->codec_specs ? h->codec_spec_count : 0,
+                                        (h->required_features & KVW_FEATURE_ROTATION) != 0);
     if (h->has_sparse) sparse = build_sparse(&b, &h->sparse);
     if (h->has_kv_scales) scales = build_kv_scales(&b, h->kv_scales, h->kv_scales ? h->kv_scale_count : 0);
 

@@ -212,6 +212,15 @@ kvw_code kvw_hd_codec_specs(hdec *d, const kvw_fbt *root) {
             (c = kvw_fbt_u32(&t, 9, 0, &s->sink_tokens, e)) ||
             (c = kvw_fbt_u32(&t, 10, 0, &s->residual_tokens, e)))
             return c;
+        /* Fields 11-13 (revision 1.2) only with required bit 4: without it they are unknown
+         * fields a reader does not read (KVW-ROT-1), like kv_scales without bit 3. */
+        if ((d->h->required_features & KVW_FEATURE_ROTATION) &&
+            ((c = kvw_fbt_enum(&t, 11, KVW_ROTATION_NONE, 2, &s->rotation, "CodecSpec.rotation",
+                               e)) ||
+             (c = kvw_fbt_u64(&t, 12, 0, &s->rotation_seed, e)) ||
+             (c = kvw_fbt_enum(&t, 13, KVW_CODEBOOK_UNIFORM, 2, &s->codebook,
+                               "CodecSpec.codebook", e))))
+            return c;
     }
     d->h->codec_specs = cs;
     d->h->codec_spec_count = v.count;

@@ -2,7 +2,7 @@
  * Header rules of spec/kvwire-v1.md 14.1 step 3, second part (split from rules.c to keep
  * both files short): the prefix chain (crossmodel.md PREFIX-1..5, with the SHA-256 of
  * the model root), fingerprints (ID-10), metadata keys (META-1), codec specs (codecs.md
- * CSPEC-10, EVOL-3, CSPEC-3..6, FP8-1, INT-1, INT-2) and kv scales (revision 1.1,
+ * CSPEC-10, EVOL-3, CSPEC-3..6, FP8-1, INT-1, INT-2, ROT-1/2) and kv scales (revision 1.1,
  * SCALE-1..5). Called by kvw_header_rules in this order.
  */
 #include "internal.h"
@@ -246,8 +246,9 @@ static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, u
                              "lossless stage must be raw, zstd or byteplane_zstd, not",
                              s->lossless);
     int fp8 = s->codec == KVW_CODEC_FP8, ia = s->codec == KVW_CODEC_INT_AFFINE;
-    /* CSPEC-5: fields the codec does not use hold their defaults (field-id order) */
-    const struct { const char *name; int used; unsigned value, dflt; } f[10] = {
+    /* CSPEC-5: fields the codec does not use hold their defaults (field-id order; 11-13
+     * are int_affine's, revision 1.2, defaults when bit 4 is clear: KVW-ROT-2) */
+    const struct { const char *name; int used; uint64_t value, dflt; } f[13] = {
         {"lossless", fp8 || ia, s->lossless, KVW_CODEC_RAW},
         {"fp8_format", fp8, s->fp8_format, KVW_DTYPE_F8_E4M3FN},
         {"scale_granularity", fp8, s->scale_granularity, KVW_SCALE_TENSOR},
@@ -257,14 +258,17 @@ static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, u
         {"symmetric", ia, s->symmetric, 0},
         {"scale_dtype", ia, s->scale_dtype, KVW_DTYPE_F32},
         {"sink_tokens", fp8 || ia, s->sink_tokens, 0},
-        {"residual_tokens", fp8 || ia, s->residual_tokens, 0}};
-    for (int j = 0; j < 10; j++)
+        {"residual_tokens", fp8 || ia, s->residual_tokens, 0},
+        {"rotation", ia, s->rotation, KVW_ROTATION_NONE},
+        {"rotation_seed", ia, s->rotation_seed, 0},
+        {"codebook", ia, s->codebook, KVW_CODEBOOK_UNIFORM}};
+    for (int j = 0; j < 13; j++)
         if (!f[j].used && f[j].value != f[j].dflt)
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-CSPEC-5",
-                            "codec_specs[%u]: %s does not use %s; it must keep its default %u, "
-                            "not %u",
-                            (unsigned)i, kvw_codec_name(s->codec), f[j].name, f[j].dflt,
-                            f[j].value);
+                            "codec_specs[%u]: %s does not use %s; it must keep its default %llu, "
+                            "not %llu",
+                            (unsigned)i, kvw_codec_name(s->codec), f[j].name,
+                            (unsigned long long)f[j].dflt, (unsigned long long)f[j].value);
     if ((fp8 || ia) && h->dtype != KVW_DTYPE_BF16 && h->dtype != KVW_DTYPE_F16 &&
         h->dtype != KVW_DTYPE_F32)
         return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-CSPEC-6",
@@ -277,8 +281,9 @@ static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, u
         return cspec_invalid(err, i, "KVW-FP8-1",
                              "fp8_format must be f8_e4m3fn, f8_e5m2 or f8_e4m3fnuz, not dtype",
                              s->fp8_format);
+    int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0; /* bits 3: KVW-ROT-2 */
     if (ia) {
-        if ((s->bits != 2 && s->bits != 4 && s->bits != 8) ||
+        if ((s->bits != 2 && s->bits != 4 && s->bits != 8 && !(rot && s->bits == 3)) ||
             (s->scale_dtype != KVW_DTYPE_F16 && s->scale_dtype != KVW_DTYPE_BF16 &&
              s->scale_dtype != KVW_DTYPE_F32))
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-INT-1",
@@ -288,17 +293,31 @@ static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, u
         if (s->group_size < 1 || s->group_size > 65536)
             return cspec_invalid(err, i, "KVW-INT-2", "group_size must be in [1, 65536], not",
                                  (unsigned)s->group_size);
+        /* KVW-ROT-2 (the fields are defaults without bit 4, so this passes there) */
+        if (s->rotation == KVW_ROTATION_NONE && s->rotation_seed != 0)
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-2",
+                            "codec_specs[%u]: rotation_seed %llu without a rotation (must be 0)",
+                            (unsigned)i, (unsigned long long)s->rotation_seed);
+        if (s->codebook == KVW_CODEBOOK_GAUSSIAN && (!s->symmetric || s->bits == 8))
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-2",
+                            "codec_specs[%u]: the gaussian codebook needs symmetric = true and "
+                            "bits 2, 3 or 4 (symmetric %u, bits %u)",
+                            (unsigned)i, (unsigned)s->symmetric, (unsigned)s->bits);
     }
     return KVW_OK;
 }
 
 kvw_code kvw_rules_codec_specs(const kvw_header *h, kvw_error *err) {
     int bit = (h->required_features & KVW_FEATURE_CODEC_SPECS) != 0;
+    int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0, used = 0;
     if (h->codec_spec_count == 0) {
         if (bit)
             return kvw_fail(err, KVW_UNSUPPORTED_FEATURE, "KVW-EVOL-3",
                             "required feature bit 0 (codec_specs) is set but Header.codec_specs "
                             "is absent or empty (KVW-CSPEC-10): treated as an unknown bit");
+        if (rot)
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-1",
+                            "required feature bit 4 (rotation) without codec specs");
         return KVW_OK;
     }
     /* From here the codec_specs bit is set, so the codec codes it registers (2-4) are in
@@ -313,7 +332,12 @@ kvw_code kvw_rules_codec_specs(const kvw_header *h, kvw_error *err) {
     for (uint32_t i = 0; i < h->codec_spec_count; i++) {
         kvw_code rc = check_codec_spec(h, &h->codec_specs[i], i, err);
         if (rc != KVW_OK) return rc;
+        used |= kvw_codec_spec_uses_rotation(&h->codec_specs[i]);
     }
+    if (rot && !used) /* KVW-ROT-1, after every spec's rules */
+        return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-1",
+                        "required feature bit 4 (rotation) is set but no codec spec has "
+                        "rotation hadamard, codebook gaussian or bits 3");
     return KVW_OK;
 }
 

@@ -8,7 +8,7 @@
  *   build/c/test_unit -v         also print each passing group
  */
 #define _POSIX_C_SOURCE 200809L /* getpid, unlink: the file-sink test */
-#include "internal.h"
+#include "codecs_impl.h" /* internal.h, and the rotation pieces (test_rotation) */
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -930,6 +930,17 @@ static void test_lossy_fast(tstate *t) {
                     specs[ns].sink_tokens = sym, specs[ns].residual_tokens = 2 * sym;
                     ns++;
                 }
+    for (unsigned v = 0; v < 16; v++) { /* revision 1.2: rotation, gaussian codebook, 3 bits */
+        static const uint8_t bits[4] = {2, 3, 4, 8};
+        kvw_codec_spec_init(&specs[ns]);
+        specs[ns].codec = KVW_CODEC_INT_AFFINE, specs[ns].bits = bits[v % 4];
+        specs[ns].group_axis = (uint8_t)((v / 4) % 2), specs[ns].symmetric = (uint8_t)(v / 8 || v % 4 == 1);
+        specs[ns].scale_dtype = (uint8_t)(v % 3), specs[ns].group_size = v % 2 ? 8 : 32;
+        specs[ns].rotation = (uint8_t)(v % 4 != 1 || v >= 8), specs[ns].rotation_seed = specs[ns].rotation ? v * 977u : 0;
+        specs[ns].codebook = (uint8_t)(v >= 8 && bits[v % 4] != 8);
+        specs[ns].residual_tokens = v % 3;
+        ns++;
+    }
     int fast_ok = 0, refused = 0;
     for (unsigned dt = 0; dt < 3; dt++)
         for (int pat = 0; pat < 7; pat++) {
@@ -955,7 +966,8 @@ static void test_lossy_fast(tstate *t) {
                 h.arch.layer_spec_index = &index, h.arch.layer_spec_index_count = 1;
                 h.dtype = (uint8_t)dt, h.chunk_tokens = FT, h.token_count = FT;
                 h.codec_specs = &specs[k], h.codec_spec_count = 1;
-                h.required_features = KVW_FEATURE_CODEC_SPECS;
+                h.required_features = KVW_FEATURE_CODEC_SPECS |
+                    (kvw_codec_spec_uses_rotation(&specs[k]) ? KVW_FEATURE_ROTATION : 0);
                 kvw_record rec;
                 memset(&rec, 0, sizeof rec);
                 rec.token_count = FT, rec.codec = specs[k].codec, rec.head_count = FH;
@@ -987,6 +999,105 @@ static void test_lossy_fast(tstate *t) {
           refused);
 }
 
+/* Revision 1.2 pieces (spec/codecs.md section 8): the sign vectors and c_B of the spec, the
+ * AVX2 row transform against the portable one bit for bit (also on infinities, NaN and
+ * subnormals), field 11's registry range, and fields 11-13 ignored without bit 4. */
+static void test_rotation(tstate *t) {
+    uint32_t m[64];
+    char sg[33];
+    static const char *const want[2] = {"-++-+++-+-+-----+-+----+--++---+", "---++---+-+-+-++----++++++--+---"};
+    for (uint64_t seed = 0; seed < 2; seed++) {
+        kvwc_rot_signs(seed, 32, m);
+        for (int d = 0; d < 32; d++) sg[d] = m[d] ? '-' : '+';
+        sg[32] = 0;
+        CHECK(t, strcmp(sg, want[seed]) == 0, "rotation: signs of seed %u: %s", (unsigned)seed, sg);
+    }
+    CHECK(t, kvwc_f32_bits(kvwc_rot_cb(128)) == 0x3DB504F3u && kvwc_rot_cb(1) == 1.0f &&
+             kvwc_f32_bits(kvwc_rot_cb(2)) == 0x3F3504F3u && kvwc_rot_cb(64) == 0.125f &&
+             kvwc_rot_block(96) == 32 && kvwc_rot_block(80) == 16, "rotation: c_B and B");
+    static const uint64_t dims[] = {8, 16, 24, 32, 40, 64, 80, 96, 128, 256, 512, 1024, 2048};
+    static float y1[2048], y2[2048];
+    static uint32_t mk[2048];
+    uint32_t x = 99;
+    int differ = 0;
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+        for (int rep = 0; rep < 20; rep++) {
+            uint64_t D = dims[di], B = kvwc_rot_block(D);
+            kvwc_rot_signs((uint64_t)rep * 31, D, mk);
+            for (uint64_t d = 0; d < D; d++) {
+                x = x * 1103515245u + 12345u;
+                uint32_t bitsv = rep % 5 == 4 ? x : (x >> 9) | 0x3F800000u; /* any pattern, or [1, 2) */
+                y1[d] = y2[d] = kvwc_bits_f32(rep % 5 == 4 || !(x & 1) ? bitsv : bitsv | 0x80000000u);
+            }
+            kvwc_rot_row_portable(y1, D, B, kvwc_rot_cb(B), rep % 2 ? mk : NULL);
+            kvwc_rot_row_avx2(y2, D, B, kvwc_rot_cb(B), rep % 2 ? mk : NULL);
+            for (uint64_t d = 0; d < D; d++) {
+                uint32_t a = kvwc_f32_bits(y1[d]), b = kvwc_f32_bits(y2[d]);
+                differ += a != b && !(y1[d] != y1[d] && y2[d] != y2[d]);
+            }
+        }
+    CHECK(t, differ == 0, "rotation: AVX2 (built %d) and portable rows differ in %d values",
+          kvwc_rot_avx2_built(), differ);
+    /* the decoder's AVX2 dequantization and bf16 rounding against the portable expressions */
+    static uint8_t u[2048];
+    static float sx[2048], zx[2048], lv[16];
+    static uint16_t b16[2048];
+    differ = 0;
+    for (int c = 0; c < 16; c++) lv[c] = (float)c * 0.37f - 2.5f;
+    for (int rep = 0; rep < 8; rep++) {
+        for (int d = 0; d < 2048; d++) {
+            x = x * 1103515245u + 12345u;
+            u[d] = (uint8_t)(x >> 28);
+            sx[d] = kvwc_bits_f32((x & 0x807FFFFFu) | (rep < 4 ? 0x3F000000u : ((x >> 3) & 0x7F800000u)));
+            zx[d] = kvwc_bits_f32(x * 2654435761u);
+        }
+        kvwc_rot_dequant_avx2(u, lv, sx, rep % 2 ? zx : NULL, y2, 2048);
+        kvwc_rot_to_bf16_avx2(y2, b16, 2048);
+        for (int d = 0; d < 2048; d++) {
+            float p = lv[u[d]] * sx[d], v = rep % 2 ? p + zx[d] : p;
+            differ += (kvwc_f32_bits(v) != kvwc_f32_bits(y2[d]) && !(v != v && y2[d] != y2[d])) ||
+                      kvwc_to_bf16(y2[d]) != b16[d];
+        }
+    }
+    CHECK(t, differ == 0, "rotation: AVX2 dequantization / bf16 rounding differ in %d values", differ);
+    /* Header fields: rotation 2 is out of its registry (with bit 4; without it fields 11-13
+     * are not read: tests/test_c_rotation.py builds those headers). */
+    kvw_layer_spec ls;
+    kvw_layer_spec_init(&ls);
+    ls.num_kv_heads = 1, ls.head_dim_k = 64, ls.head_dim_v = 64;
+    uint16_t index = 0;
+    kvw_codec_spec cs;
+    kvw_codec_spec_init(&cs);
+    cs.codec = KVW_CODEC_INT_AFFINE, cs.bits = 3, cs.rotation = 2, cs.rotation_seed = 5;
+    {
+        kvw_header h, back;
+        kvw_header_init(&h);
+        h.arch.num_layers = 1, h.arch.layer_specs = &ls, h.arch.layer_spec_count = 1;
+        h.arch.layer_spec_index = &index, h.arch.layer_spec_index_count = 1;
+        h.codec_specs = &cs, h.codec_spec_count = 1, h.format_major = 1, h.format_minor = 2;
+        h.required_features = KVW_FEATURE_CODEC_SPECS | KVW_FEATURE_ROTATION;
+        uint8_t *fb = NULL;
+        size_t n = 0;
+        kvw_error e;
+        CHECK(t, kvw_header_encode(&h, &fb, &n, &e) == KVW_OK, "rotation: header encode");
+        kvw_header_init(&back);
+        kvw_code rc = fb ? kvw_header_parse(fb, n, &back, &e) : KVW_ERR_NO_MEMORY;
+        CHECK(t, rc == KVW_ENUM_OUT_OF_RANGE, "rotation: rotation code 2 gives %s", kvw_code_name(rc));
+        cs.rotation = 1;
+        free(fb);
+        fb = NULL;
+        kvw_header_free(&back);
+        kvw_header_init(&back);
+        rc = kvw_header_encode(&h, &fb, &n, &e);
+        if (!rc) rc = kvw_header_parse(fb, n, &back, &e);
+        CHECK(t, rc == KVW_OK && back.codec_spec_count == 1 && back.codec_specs[0].rotation == 1 &&
+                 back.codec_specs[0].rotation_seed == 5 && back.codec_specs[0].bits == 3,
+              "rotation: fields 11-13 round trip (%s)", kvw_code_name(rc));
+        kvw_header_free(&back);
+        free(fb);
+    }
+}
+
 int main(int argc, char **argv) {
     tstate t = {0, 0, argc > 1 && strcmp(argv[1], "-v") == 0};
     static const struct { const char *name; void (*fn)(tstate *); } groups[] = {
@@ -1000,6 +1111,7 @@ int main(int argc, char **argv) {
         {"file sink and mapped files", test_file_sink},
         {"lossy codec specs (codecs.md)", test_lossy_writer},
         {"fused lossy encoders vs careful", test_lossy_fast},
+        {"rotation (codecs.md section 8)", test_rotation},
         {"API misuse", test_misuse},
     };
     for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++) {

@@ -179,7 +179,13 @@ void neutral_header_to_json(sbuf *b, const kvw_header *h) {
             put_enum(b, kvw_group_axis_name(c->group_axis), c->group_axis);
             sb_puts(b, ", \"symmetric\": "); put_bool(b, c->symmetric);
             sb_puts(b, ", \"scale_dtype\": "); put_enum(b, kvw_dtype_name(c->scale_dtype), c->scale_dtype);
-            sb_printf(b, ", \"sink_tokens\": %u, \"residual_tokens\": %u}", c->sink_tokens, c->residual_tokens);
+            sb_printf(b, ", \"sink_tokens\": %u, \"residual_tokens\": %u", c->sink_tokens, c->residual_tokens);
+            /* revision 1.2 (codecs.md 8.1; defaults without bit 4): as the twins have them, only
+             * where they differ from their defaults (kvwire's spec_to_json) */
+            if (c->rotation) { sb_puts(b, ", \"rotation\": "); put_enum(b, kvw_rotation_name(c->rotation), c->rotation); }
+            if (c->rotation_seed) { sb_puts(b, ", \"rotation_seed\": "); sb_u64(b, c->rotation_seed); }
+            if (c->codebook) { sb_puts(b, ", \"codebook\": "); put_enum(b, kvw_codebook_name(c->codebook), c->codebook); }
+            sb_puts(b, "}");
         }
         sb_puts(b, "]");
     }

@@ -12,7 +12,8 @@ import zstandard
 from . import byteplane, native, quant
 from ..format import registry as R
 from ..format.chunks import chunk_plan
-from ..format.codec_specs import FEATURE_BIT, LOSSY_COMPONENTS, CodecSpec
+from ..format.codec_specs import LOSSY_COMPONENTS, CodecSpec, features_of
+from ..format.kv_scales import required_minor
 from .pipeline import lossy_range
 from .presets import resolve
 from .zstd import DEFAULT_ZSTD_LEVEL
@@ -69,7 +70,9 @@ class CodecPlan:
                 c[:3] + (c.head,): index(pick(*c[:3], head=c.head) if with_head else pick(*c[:3]), c.component)
                 for c in chunk_plan(header) if c.component != "state"}  # state chunks: lossless (KVW-STATE-8)
         if len(specs) != len(header.codec_specs):
-            header = header.replace(codec_specs=tuple(specs), required_features=header.required_features | FEATURE_BIT)
+            rf = header.required_features | features_of(specs)  # codec_specs; rotation (KVW-ROT-1)
+            header = header.replace(codec_specs=tuple(specs), required_features=rf, format_minor=max(
+                header.format_minor, required_minor(rf)))  # KVW-EVOL-12
         self.header = header
         self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
         self._planes = byteplane.plane_compressor(level) if any(

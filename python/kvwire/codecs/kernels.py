@@ -118,6 +118,8 @@ def unpack_f32(packed: np.ndarray, bits: int, n: int, offset: int = 0) -> np.nda
     """The first ``n`` codes (least significant bits first, KVW-INT-4) of ``packed`` as fp32,
     minus ``offset``; ``None`` when padding bits after the last code are set."""
     v = scratch(0, n, F32)
+    if bits == 3:
+        return _unpack3(packed, n, v, offset)
     if bits == 8:
         np.copyto(v, packed[:n], casting="unsafe")
     else:  # spread the codes of each byte over the bytes of a wider word, then one cast
@@ -213,6 +215,8 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     least significant bits first (KVW-INT-4): the codes of one byte are combined through a
     wider word view of the byte codes instead of strided byte access."""
     n = q.size
+    if bits == 3:
+        return _pack3(q, n)
     if bits == 8:
         out = np.empty(n, np.uint8)
         np.copyto(out, q.reshape(-1), casting="unsafe")
@@ -269,3 +273,39 @@ def quantize(blk: np.ndarray, s: np.ndarray, z, lo: int, hi: int, offset: int) -
     if offset:
         blk += np.float32(offset)
     return blk
+
+
+def _unpack3(packed: np.ndarray, n: int, v: np.ndarray, offset: int):
+    """3-bit codes (revision 1.2, KVW-ROT-3): 8 codes in each 3 bytes, a little-endian 24-bit
+    word; ``None`` when a bit after the last code is set."""
+    nb = len(packed)
+    groups = -(-nb // 3)
+    w = np.zeros(groups * 3, np.uint32)
+    w[:nb] = packed
+    w = w.reshape(groups, 3)
+    word = w[:, 0] | (w[:, 1] << np.uint32(8)) | (w[:, 2] << np.uint32(16))
+    codes = np.empty((groups, 8), np.uint8)
+    for j in range(8):
+        np.copyto(codes[:, j], (word >> np.uint32(3 * j)) & np.uint32(7), casting="unsafe")
+    flat = codes.reshape(-1)
+    if flat[n:].any():  # the codes after the last one hold exactly the bits after it
+        return None
+    np.copyto(v, flat[:n], casting="unsafe")
+    if offset:
+        v -= np.float32(offset)
+    return v
+
+
+def _pack3(q: np.ndarray, n: int) -> np.ndarray:
+    """Integer-valued fp32 codes (each < 8) as the 3-bit string of KVW-ROT-3 (a fresh array)."""
+    groups = -(-n // 8)
+    c = np.zeros(groups * 8, np.uint32)
+    np.copyto(c[:n], q.reshape(-1), casting="unsafe")
+    c = c.reshape(groups, 8)
+    word = np.zeros(groups, np.uint32)
+    for j in range(8):
+        word |= c[:, j] << np.uint32(3 * j)
+    out = np.empty((groups, 3), np.uint8)
+    for k in range(3):
+        np.copyto(out[:, k], (word >> np.uint32(8 * k)) & np.uint32(0xFF), casting="unsafe")
+    return out.reshape(-1)[: -(-n * 3 // 8)].copy()

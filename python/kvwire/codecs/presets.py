@@ -15,6 +15,17 @@ def _kivi(bits: int) -> dict:
     return {"k": base, "v": replace(base, group_axis="channels"), "latent": replace(base, group_axis="channels")}
 
 
+ROTATION_SEED = 0x4B565752  # "KVWR": the presets' sign vector (KVW-ROT-5); any seed works
+
+
+def _lloyd(bits: int) -> CodecSpec:
+    """Revision 1.2 (spec/codecs.md section 8): a randomized Hadamard rotation of each token's
+    channels, then the Lloyd-Max levels of N(0, 1) with one f16 RMS scale per 128 channels
+    (one scale per token and head at head_dim <= 128; vLLM's turboquant keys are rotated the same way)."""
+    return CodecSpec("int_affine", bits=bits, group_size=128, group_axis="channels", symmetric=True,
+                     scale_dtype="f16", rotation="hadamard", rotation_seed=ROTATION_SEED, codebook="gaussian")
+
+
 # Named pipelines: a CodecSpec for every component, or {component: CodecSpec}.
 PRESETS = {
     "byteplane": CodecSpec("byteplane_zstd"),
@@ -31,6 +42,14 @@ PRESETS = {
                                lossless="zstd"),
     "kivi2": _kivi(2),
     "kivi4": _kivi(4),
+    # revision 1.2: rotated pipelines (keys with outlier channels)
+    "hadamard-int4-g32": CodecSpec("int_affine", bits=4, group_size=32, group_axis="channels", scale_dtype="f16",
+                                   rotation="hadamard", rotation_seed=ROTATION_SEED),
+    "hadamard-lloyd4": _lloyd(4),
+    "hadamard-lloyd3": _lloyd(3),
+    "hadamard-lloyd2": _lloyd(2),
+    # keys at 3 bits, values at 2 (KIVI: keys need more): 2.625 bits per element at head_dim 128
+    "hadamard-lloyd-k3v2": {"k": _lloyd(3), "v": _lloyd(2), "latent": _lloyd(3)},
 }
 
 

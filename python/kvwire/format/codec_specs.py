@@ -20,6 +20,7 @@ from .errors import CodecError, FeatureError, LimitError, SchemaError
 from .fbfields import offset_vector
 
 FEATURE_BIT = R.REQUIRED_FEATURES["codec_specs"]
+ROTATION_BIT = R.REQUIRED_FEATURES["rotation"]  # revision 1.2: fields 11-13 and 3-bit codes (KVW-ROT-1)
 MAX_CODEC_SPECS = 4096  # KVW-CSPEC-2: codec_spec is a u16 index, 0 meaning "no spec"
 MAX_GROUP_SIZE = 1 << 16  # KVW-INT-2
 LOSSY = ("fp8", "int_affine")
@@ -30,6 +31,8 @@ SCALE_DTYPES = ("f16", "bf16", "f32")
 FLOAT_DTYPES = ("bf16", "f16", "f32")  # header dtypes a lossy codec may decode to (KVW-CSPEC-6)
 LOSSY_COMPONENTS = ("k", "v", "latent")  # KVW-CSPEC-9
 INT_BITS = (2, 4, 8)
+ROTATION_INT_BITS = (2, 3, 4, 8)  # with the rotation bit (KVW-ROT-2)
+CODEBOOK_BITS = (2, 3, 4)  # the Gaussian codebook's tables (KVW-ROT-4)
 
 
 @dataclass(frozen=True)
@@ -51,31 +54,43 @@ class CodecSpec:
     scale_dtype: str = "f32"
     sink_tokens: int = 0
     residual_tokens: int = 0
+    rotation: str = "none"  # revision 1.2 (spec/codecs.md section 8)
+    rotation_seed: int = 0
+    codebook: str = "uniform"
 
     @property
     def lossy(self) -> bool:
         return self.codec in LOSSY
 
+    @property
+    def needs_rotation_bit(self) -> bool:
+        """The spec uses revision 1.2 (a rotation, the Gaussian codebook or 3-bit codes):
+        its container sets required feature bit 4 (KVW-ROT-1)."""
+        return self.rotation != "none" or self.codebook != "uniform" or (self.codec == "int_affine" and self.bits == 3)
+
 
 _DEFAULT = CodecSpec()
 _U8 = struct.Struct("<B")
-_U32 = struct.Struct("<I")
 # (attribute, field id, struct, enum name -> code) in schema order
 _ENUMS = {
     "codec": R.CODECS, "lossless": R.CODECS,
     "fp8_format": {k: v[0] for k, v in R.DTYPES.items()}, "scale_dtype": {k: v[0] for k, v in R.DTYPES.items()},
     "scale_granularity": R.SCALE_GRANULARITIES, "group_axis": R.GROUP_AXES,
+    "rotation": R.ROTATIONS, "codebook": R.CODEBOOKS,
 }
 _FIELDS = [("codec", 0, "B"), ("lossless", 1, "B"), ("fp8_format", 2, "B"), ("scale_granularity", 3, "B"),
            ("bits", 4, "B"), ("group_size", 5, "I"), ("group_axis", 6, "B"), ("symmetric", 7, "?"),
-           ("scale_dtype", 8, "B"), ("sink_tokens", 9, "I"), ("residual_tokens", 10, "I")]
-_SLOTS = {"B": "PrependUint8Slot", "I": "PrependUint32Slot", "?": "PrependBoolSlot"}
+           ("scale_dtype", 8, "B"), ("sink_tokens", 9, "I"), ("residual_tokens", 10, "I"),
+           ("rotation", 11, "B"), ("rotation_seed", 12, "Q"), ("codebook", 13, "B")]
+N_FIELDS_1_0 = 11  # fields 11-13 are revision 1.2's, read only with ROTATION_BIT (KVW-ROT-1)
+_SLOTS = {"B": "PrependUint8Slot", "I": "PrependUint32Slot", "Q": "PrependUint64Slot", "?": "PrependBoolSlot"}
+_STRUCTS = {"B": struct.Struct("<B"), "I": struct.Struct("<I"), "Q": struct.Struct("<Q")}
 # which fields each codec uses (KVW-CSPEC-5); the others must hold their defaults
 _USED = {
     "byteplane_zstd": (),
     "fp8": ("lossless", "fp8_format", "scale_granularity", "sink_tokens", "residual_tokens"),
     "int_affine": ("lossless", "bits", "group_size", "group_axis", "symmetric", "scale_dtype", "sink_tokens",
-                   "residual_tokens"),
+                   "residual_tokens", "rotation", "rotation_seed", "codebook"),
 }
 
 
@@ -100,8 +115,9 @@ def build_codec_specs(b, specs) -> int | None:
         return None
     offs = []
     for s in specs:
-        b.StartObject(len(_FIELDS))
-        for attr, fid, code in _FIELDS:
+        used = _FIELDS if s.needs_rotation_bit or s.rotation_seed else _FIELDS[:N_FIELDS_1_0]
+        b.StartObject(len(used))  # a 1.0 spec keeps its 1.0 bytes
+        for attr, fid, code in used:
             value = getattr(s, attr)
             if value != getattr(_DEFAULT, attr):
                 getattr(b, _SLOTS[code])(fid, _code(attr, value), None)
@@ -119,18 +135,21 @@ def _name(enum: dict, code: int, attr: str) -> str:
 def read_codec_specs(t, required_features: int = 0) -> tuple:
     """``Header.codec_specs`` (field 18) from the verified root table ``t``. The field is part
     of the 1.0 schema: it is read and verified whether or not the feature bit is set, and
-    ``check_codec_specs`` rejects specs without the bit (KVW-CSPEC-10, KVW-EVOL-10)."""
+    ``check_codec_specs`` rejects specs without the bit (KVW-CSPEC-10, KVW-EVOL-10). Fields
+    11-13 are read only with the rotation bit: without it they are unknown fields that keep
+    their defaults, as for a 1.0 reader (KVW-ROT-1)."""
     out = []
+    read = _FIELDS if required_features & R.KNOWN_REQUIRED_FEATURES & ROTATION_BIT else _FIELDS[:N_FIELDS_1_0]
     for st in t.tables(18, MAX_CODEC_SPECS):
         kw = {}
-        for attr, fid, code in _FIELDS:
+        for attr, fid, code in read:
             default = getattr(_DEFAULT, attr)
             if code == "?":
                 kw[attr] = st.boolean(fid, default)
             elif attr in _ENUMS:
                 kw[attr] = _name(_ENUMS[attr], st.scalar(fid, _U8, _ENUMS[attr][default]), attr)
             else:
-                kw[attr] = st.scalar(fid, _U8 if code == "B" else _U32, default)
+                kw[attr] = st.scalar(fid, _STRUCTS[code], default)
         out.append(CodecSpec(**kw))
     return tuple(out)
 
@@ -143,10 +162,10 @@ def _invalid(i: int, rule: str, msg: str):
     raise SchemaError("CODEC_SPEC_INVALID", f"codec_specs[{i}]: {msg}", rule=rule)
 
 
-def check_codec_spec(s: CodecSpec, i: int, dtype: str) -> None:
+def check_codec_spec(s: CodecSpec, i: int, dtype: str, rotation_bit: bool = False) -> None:
     """Rules of one spec, in the order of spec/codecs.md section 1.1 (KVW-CSPEC-3..6, KVW-FP8-1,
-    KVW-INT-1..2). KVW-CSPEC-8 (sparse containers count sink and residual tokens per head)
-    rejects nothing: ``codecs.lossy_range`` applies it."""
+    KVW-INT-1..2), then revision 1.2's (KVW-ROT-2). KVW-CSPEC-8 (sparse containers count sink
+    and residual tokens per head) rejects nothing: ``codecs.lossy_range`` applies it."""
     for attr, enum in _ENUMS.items():
         if getattr(s, attr) not in enum:
             raise SchemaError("ENUM_OUT_OF_RANGE", f"codec_specs[{i}].{attr} {getattr(s, attr)!r}",
@@ -164,11 +183,27 @@ def check_codec_spec(s: CodecSpec, i: int, dtype: str) -> None:
     if s.codec == "fp8" and s.fp8_format not in FP8_FORMATS:
         _invalid(i, "KVW-FP8-1", f"fp8_format {s.fp8_format!r}: must be f8_e4m3fn, f8_e5m2 or f8_e4m3fnuz")
     if s.codec == "int_affine":
-        if s.bits not in INT_BITS or s.scale_dtype not in SCALE_DTYPES:
-            _invalid(i, "KVW-INT-1", f"bits {s.bits} / scale_dtype {s.scale_dtype!r}: bits must be 2, 4 or 8, "
-                     "scale_dtype f16, bf16 or f32")
+        if s.bits not in (ROTATION_INT_BITS if rotation_bit else INT_BITS) or s.scale_dtype not in SCALE_DTYPES:
+            _invalid(i, "KVW-INT-1", f"bits {s.bits} / scale_dtype {s.scale_dtype!r}: bits must be 2, 4 or 8 (3 with "
+                     "required feature bit 4, rotation), scale_dtype f16, bf16 or f32")
         if not 1 <= s.group_size <= MAX_GROUP_SIZE:
             _invalid(i, "KVW-INT-2", f"group_size {s.group_size}: must be in [1, {MAX_GROUP_SIZE}]")
+    check_rotation_fields(s, i, rotation_bit)
+
+
+def check_rotation_fields(s: CodecSpec, i: int, rotation_bit: bool) -> None:
+    """KVW-ROT-2 (and KVW-ROT-1's writer side: fields 11-13 only with the bit; a reader never
+    sees them without it, since it does not read them)."""
+    if not rotation_bit:
+        if s.rotation != "none" or s.rotation_seed or s.codebook != "uniform":
+            _invalid(i, "KVW-ROT-1", "rotation, rotation_seed and codebook need required feature bit 4 (rotation): "
+                     "without it readers ignore them")
+        return
+    if s.rotation == "none" and s.rotation_seed:
+        _invalid(i, "KVW-ROT-2", f"rotation_seed {s.rotation_seed} without a rotation: must be 0")
+    if s.codebook == "gaussian" and (not s.symmetric or s.bits not in CODEBOOK_BITS):
+        _invalid(i, "KVW-ROT-2", f"the gaussian codebook needs symmetric = true and bits 2, 3 or 4 (has symmetric "
+                 f"{s.symmetric}, bits {s.bits})")
 
 
 def check_codec_specs(h) -> None:
@@ -178,13 +213,19 @@ def check_codec_specs(h) -> None:
         if h.required_features & FEATURE_BIT:  # bit 0 alone: the unassigned bit of 1.0 draft rev. 1
             raise FeatureError("UNSUPPORTED_FEATURE", "the codec_specs bit is set but Header.codec_specs is "
                                "absent or empty (KVW-CSPEC-10): treated as an unknown bit", rule="KVW-EVOL-3")
+        if h.required_features & ROTATION_BIT:
+            _invalid(0, "KVW-ROT-1", "required feature bit 4 (rotation) is set but the header has no codec specs")
         return
     if not h.required_features & FEATURE_BIT:
         _invalid(0, "KVW-CSPEC-10", "codec_specs present without the codec_specs required feature bit")
     if len(specs) > MAX_CODEC_SPECS:
         raise LimitError("LIMIT_EXCEEDED", f"{len(specs)} codec specs, limit {MAX_CODEC_SPECS}", rule="KVW-CSPEC-2")
+    rot = bool(h.required_features & ROTATION_BIT)
     for i, s in enumerate(specs):
-        check_codec_spec(s, i, h.dtype)
+        check_codec_spec(s, i, h.dtype, rot)
+    if rot and not any(s.needs_rotation_bit for s in specs):
+        _invalid(0, "KVW-ROT-1", "required feature bit 4 (rotation) is set but no codec spec uses a rotation, the "
+                 "gaussian codebook or 3-bit codes")
 
 
 # ---------------------------------------------------------------------------------------
@@ -227,7 +268,21 @@ def check_spec_refs(h, rec: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 def spec_to_json(s: CodecSpec) -> dict:
-    return {f.name: getattr(s, f.name) for f in fields(CodecSpec)}
+    """Every field; revision 1.2's only where they differ from their defaults (spec/codecs.md
+    section 8.1), so that 1.0 vectors keep their JSON."""
+    return {f.name: getattr(s, f.name) for f in fields(CodecSpec)
+            if f.name not in REVISION_1_2_FIELDS or getattr(s, f.name) != f.default}
+
+
+REVISION_1_2_FIELDS = ("rotation", "rotation_seed", "codebook")
+
+
+def features_of(specs) -> int:
+    """The required feature bits a list of specs needs: codec_specs, and rotation when one
+    spec uses revision 1.2 (KVW-CSPEC-10, KVW-ROT-1)."""
+    if not specs:
+        return 0
+    return FEATURE_BIT | (ROTATION_BIT if any(s.needs_rotation_bit for s in specs) else 0)
 
 
 def spec_from_json(d: dict) -> CodecSpec:

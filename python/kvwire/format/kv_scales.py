@@ -145,7 +145,7 @@ def writer_header(h):
     features imply (KVW-EVOL-12). Callers never set either by hand."""
     rf = h.required_features & ~KV_SCALES_BIT | (KV_SCALES_BIT if h.kv_scales is not None else 0)
     minor = h.format_minor
-    if minor in (R.FORMAT_MINOR, R.FORMAT_MINOR_IMPLEMENTED):
+    if R.FORMAT_MINOR <= minor <= R.FORMAT_MINOR_IMPLEMENTED:  # a minor this writer writes: the features decide
         minor = required_minor(rf)
     if (rf, minor) == (h.required_features, h.format_minor):
         return h

@@ -106,7 +106,30 @@ class CodecSpec(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
-def CodecSpecStart(builder): builder.StartObject(11)
+    # Revision 1.2: fields 11-13 are read only when required feature bit 4 (rotation) is set,
+    # otherwise unknown fields (spec/codecs.md KVW-ROT-1).
+    # CodecSpec
+    def Rotation(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+    # CodecSpec
+    def RotationSeed(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # CodecSpec
+    def Codebook(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+def CodecSpecStart(builder): builder.StartObject(14)
 def Start(builder):
     return CodecSpecStart(builder)
 def CodecSpecAddCodec(builder, codec): builder.PrependUint8Slot(0, codec, 0)
@@ -142,6 +165,15 @@ def AddSinkTokens(builder, sinkTokens):
 def CodecSpecAddResidualTokens(builder, residualTokens): builder.PrependUint32Slot(10, residualTokens, 0)
 def AddResidualTokens(builder, residualTokens):
     return CodecSpecAddResidualTokens(builder, residualTokens)
+def CodecSpecAddRotation(builder, rotation): builder.PrependUint8Slot(11, rotation, 0)
+def AddRotation(builder, rotation):
+    return CodecSpecAddRotation(builder, rotation)
+def CodecSpecAddRotationSeed(builder, rotationSeed): builder.PrependUint64Slot(12, rotationSeed, 0)
+def AddRotationSeed(builder, rotationSeed):
+    return CodecSpecAddRotationSeed(builder, rotationSeed)
+def CodecSpecAddCodebook(builder, codebook): builder.PrependUint8Slot(13, codebook, 0)
+def AddCodebook(builder, codebook):
+    return CodecSpecAddCodebook(builder, codebook)
 def CodecSpecEnd(builder): return builder.EndObject()
 def End(builder):
     return CodecSpecEnd(builder)
