@@ -97,6 +97,16 @@ static inline float kvwc_from_f16(uint16_t h) {
     return kvwc_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 static inline float kvwc_from_bf16(uint16_t b) { return kvwc_bits_f32((uint32_t)b << 16); }
+/* Round-to-nearest-even fp32 -> the bits of dtype dt (f32, f16, bf16), and back: scales and
+ * zeros are stored as these bits (shared by the encoders and their AVX2 kernels). */
+static inline uint32_t kvwc_nearest_bits(float v, unsigned dt) {
+    return dt == KVW_DTYPE_F32 ? kvwc_f32_bits(v)
+         : dt == KVW_DTYPE_F16 ? kvwc_to_f16(v) : kvwc_to_bf16(v);
+}
+static inline float kvwc_bits_value(uint32_t b, unsigned dt) {
+    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b)
+         : dt == KVW_DTYPE_F16 ? kvwc_from_f16((uint16_t)b) : kvwc_from_bf16((uint16_t)b);
+}
 
 /* kvwc_byteplane_decode with the caller's scratch of at least L bytes (NULL: allocate one);
  * ffi.c passes its decode context's buffer. */

@@ -20,16 +20,8 @@ static float from_dtype(const uint8_t *p, unsigned dt) {
     return dt == KVW_DTYPE_F32 ? kvw_ldf32(p)
          : dt == KVW_DTYPE_F16 ? kvwc_from_f16(kvw_ld16(p)) : kvwc_from_bf16(kvw_ld16(p));
 }
-static uint32_t nearest_bits(float v, unsigned dt) { /* RNE fp32 -> dt */
-    return dt == KVW_DTYPE_F32 ? kvwc_f32_bits(v)
-         : dt == KVW_DTYPE_F16 ? kvwc_to_f16(v) : kvwc_to_bf16(v);
-}
-static float bits_value(uint32_t b, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b)
-         : dt == KVW_DTYPE_F16 ? kvwc_from_f16((uint16_t)b) : kvwc_from_bf16((uint16_t)b);
-}
 /* fp32 -> header dtype -> fp32 (overflow to infinity). */
-static float to_header(float v, unsigned dt) { return bits_value(nearest_bits(v, dt), dt); }
+static float to_header(float v, unsigned dt) { return kvwc_bits_value(kvwc_nearest_bits(v, dt), dt); }
 
 static uint32_t sign_bit(unsigned dt) { return dt == KVW_DTYPE_F32 ? 0x80000000u : 0x8000u; }
 
@@ -42,20 +34,20 @@ static uint32_t step(uint32_t u, unsigned dt, int up) {
 }
 /* v rounded to dt toward +inf (up) or -inf (round_dir). */
 static uint32_t round_dir(float v, unsigned dt, int up) {
-    uint32_t r = nearest_bits(v, dt);
-    float back = bits_value(r, dt);
+    uint32_t r = kvwc_nearest_bits(v, dt);
+    float back = kvwc_bits_value(r, dt);
     if (up ? back < v : back > v) r = step(r, dt, up);
     return r;
 }
 /* Non-negative v rounded up to dt (round_up), from fp32 or (exact quotients) double. */
 static uint32_t round_up_f(float v, unsigned dt) {
-    uint32_t r = nearest_bits(v, dt);
-    if (dt != KVW_DTYPE_F32 && bits_value(r, dt) < v) r++;
+    uint32_t r = kvwc_nearest_bits(v, dt);
+    if (dt != KVW_DTYPE_F32 && kvwc_bits_value(r, dt) < v) r++;
     return r;
 }
 static uint32_t round_up_d(double v, unsigned dt) {
-    uint32_t r = nearest_bits((float)v, dt); /* double -> float -> dt: floor or ceil of v */
-    if ((double)bits_value(r, dt) < v) r++;
+    uint32_t r = kvwc_nearest_bits((float)v, dt); /* double -> float -> dt: floor or ceil of v */
+    if ((double)kvwc_bits_value(r, dt) < v) r++;
     return r;
 }
 
@@ -193,11 +185,11 @@ kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvw
         if (sym) {
             sb = round_up_f(amax / qmax, sd);
         } else {
-            zb = nearest_bits(a, sd);
-            float z = bits_value(zb, sd), fit = (c - z) / qmax;
+            zb = kvwc_nearest_bits(a, sd);
+            float z = kvwc_bits_value(zb, sd), fit = (c - z) / qmax;
             sb = round_up_f(fit > 0 ? fit : 0.0f, sd);
         }
-        sf[k] = bits_value(sb, sd), zf[k] = bits_value(zb, sd);
+        sf[k] = kvwc_bits_value(sb, sd), zf[k] = kvwc_bits_value(zb, sd);
         safe &= amax >= lo && amax <= hi;
     }
     for (uint64_t k = 0; !safe && k < np; k++) { /* section 3.1: near the extremes */
@@ -209,8 +201,8 @@ kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvw
             need = (c - a) / qmax;
             big = c >= -a ? c : a;
             uint32_t zb = round_dir(a, sd, 0);
-            if (!fin(to_header(bits_value(zb, sd), dt))) zb = round_dir(a, sd, 1);
-            z = bits_value(zb, sd);
+            if (!fin(to_header(kvwc_bits_value(zb, sd), dt))) zb = round_dir(a, sd, 1);
+            z = kvwc_bits_value(zb, sd);
             if (!fin(z) || !fin(to_header(z, dt)) ||
                 !(z - a <= amax * kvwc_bits_f32((uint32_t)(127 + 1 - P) << 23))) {
                 free(mn);
@@ -220,8 +212,8 @@ kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvw
         }
         double q = sym ? (double)amax : ((double)c - z > 0 ? (double)c - z : 0.0);
         uint32_t sb = round_up_d(q / qmax, sd);
-        float sv = bits_value(sb, sd);
-        if (fin(sv) && !fin(to_header(qmax * sv + z, dt))) sb = step(sb, sd, 0), sv = bits_value(sb, sd);
+        float sv = kvwc_bits_value(sb, sd);
+        if (fin(sv) && !fin(to_header(qmax * sv + z, dt))) sb = step(sb, sd, 0), sv = kvwc_bits_value(sb, sd);
         float tol = need, t2 = amax * kvwc_bits_f32((uint32_t)(127 - P) << 23);
         if (t2 > tol) tol = t2;
         if (SMALLEST[dt] > tol) tol = SMALLEST[dt];
@@ -243,7 +235,7 @@ kvw_code kvwc_encode_int(const kvw_header *h, const kvw_codec_spec *s, const kvw
         sf[k] = sv, zf[k] = z;
     }
     for (uint64_t k = 0; k < np; k++) {
-        uint32_t sb = nearest_bits(sf[k], sd), zb = nearest_bits(zf[k], sd);
+        uint32_t sb = kvwc_nearest_bits(sf[k], sd), zb = kvwc_nearest_bits(zf[k], sd);
         if (ps == 4) kvw_st32(params + 4 * k, sb); else kvw_st16(params + 2 * k, (uint16_t)sb);
         if (!sym) {
             if (ps == 4) kvw_st32(params + 4 * (np + k), zb);

@@ -99,7 +99,7 @@ INL int fp8_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *
             const uint8_t *p = src + r * run * w;
             if (gran == KVW_SCALE_TOKEN) mb = max_abs_bits(p, (size_t)run, dt);
             if (mb >= inf_bits(dt)) return 0;
-            float a = bits_value(mb, dt), sc = a / f;
+            float a = kvwc_bits_value(mb, dt), sc = a / f;
             if (!(a >= lo && a <= hi)) return 0;
             uint64_t k = gran == KVW_SCALE_TOKEN ? hh * M + r : gran == KVW_SCALE_HEAD ? hh : 0;
             kvw_st32(params + 4 * k, kvwc_f32_bits(sc));

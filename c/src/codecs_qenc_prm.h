@@ -33,16 +33,9 @@ INL float from_f16(uint32_t h) {
     float big = kvwc_bits_f32(sign | (e == 0x1F ? 0x7F800000u : (e + 112u) << 23) | (m << 13));
     return e == 0 ? sub : big;
 }
-INL uint32_t nearest_bits(float v, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_f32_bits(v) : dt == KVW_DTYPE_F16 ? to_f16(v) : kvwc_to_bf16(v);
-}
-INL float bits_value(uint32_t b, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b)
-         : dt == KVW_DTYPE_F16 ? from_f16(b) : kvwc_from_bf16((uint16_t)b);
-}
 INL uint32_t round_up_f(float v, unsigned dt) {
-    uint32_t r = nearest_bits(v, dt);
-    if (dt != KVW_DTYPE_F32 && bits_value(r, dt) < v) r++;
+    uint32_t r = kvwc_nearest_bits(v, dt);
+    if (dt != KVW_DTYPE_F32 && kvwc_bits_value(r, dt) < v) r++;
     return r;
 }
 
@@ -57,11 +50,11 @@ INL int gparams(const iprm *q, unsigned sd, int sym, float a, float c, float *sv
     if (sym) {
         sb = round_up_f(amax / q->qmax, sd);
     } else {
-        zb = nearest_bits(a, sd);
-        float z = bits_value(zb, sd), fit = (c - z) / q->qmax;
+        zb = kvwc_nearest_bits(a, sd);
+        float z = kvwc_bits_value(zb, sd), fit = (c - z) / q->qmax;
         sb = round_up_f(fit > 0 ? fit : 0.0f, sd);
     }
-    *sv = bits_value(sb, sd), *zv = bits_value(zb, sd), *sbits = sb, *zbits = zb;
+    *sv = kvwc_bits_value(sb, sd), *zv = kvwc_bits_value(zb, sd), *sbits = sb, *zbits = zb;
     /* sv == 0 only for an asymmetric group with c <= z: every x - z <= 0 clamps to code 0,
      * as the careful path's y = 0 does; dividing by 1 keeps the lanes finite. */
     *den = *sv > 0 ? *sv : 1.0f;

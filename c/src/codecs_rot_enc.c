@@ -18,14 +18,6 @@
 
 #define REFUSE(rule, ...) kvw_fail(err, KVW_ERR_UNSUPPORTED, rule, __VA_ARGS__)
 
-static uint32_t nearest_bits(float v, unsigned dt) { /* RNE fp32 -> dt */
-    return dt == KVW_DTYPE_F32 ? kvwc_f32_bits(v)
-         : dt == KVW_DTYPE_F16 ? kvwc_to_f16(v) : kvwc_to_bf16(v);
-}
-static float bits_value(uint32_t b, unsigned dt) {
-    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b)
-         : dt == KVW_DTYPE_F16 ? kvwc_from_f16((uint16_t)b) : kvwc_from_bf16((uint16_t)b);
-}
 static int fin(float f) { return (kvwc_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
 /* The forward rotation of every row of x ([rows, D]): signs, butterflies, then c_B. */
@@ -120,8 +112,8 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
          * the scale 0 and decodes to zeros), which rotation.band does not foresee: such a
          * chunk is checked on its decoded bytes (KVW-ROT-7), whatever its row maxima. */
         if (flag[k] && !(acc[k] >= 0x1p-126f)) *suspect = 1;
-        uint32_t sb = nearest_bits(sqrtf(acc[k] / (float)n), sd);
-        sf[k] = bits_value(sb, sd);
+        uint32_t sb = kvwc_nearest_bits(sqrtf(acc[k] / (float)n), sd);
+        sf[k] = kvwc_bits_value(sb, sd);
         if (!fin(sf[k])) {
             free(acc), free(flag);
             return REFUSE("KVW-LOSSY-5", "int_affine gaussian group %llu: its root mean square "
@@ -164,7 +156,7 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
         }
     kvw_code rc = KVW_OK;
     for (uint64_t k = 0; !rc && s->rotation == KVW_ROTATION_NONE && k < np; k++)
-        if (flag[k] && (nearest_bits(lv[half + top[k]] * sf[k], h->dtype) &
+        if (flag[k] && (kvwc_nearest_bits(lv[half + top[k]] * sf[k], h->dtype) &
                         (h->dtype == KVW_DTYPE_F32 ? 0x7FFFFFFFu : 0x7FFFu)) == 0)
             rc = REFUSE("KVW-LOSSY-5", "int_affine gaussian group %llu with nonzero input "
                         "would decode to zeros", (unsigned long long)k);
