@@ -142,28 +142,28 @@ def gaussian_values(u: np.ndarray, bits: int) -> np.ndarray:
     return GAUSSIAN_LEVELS[bits][u.astype(np.intp)]
 
 
-def gaussian_scales(y: np.ndarray, spec, reduce) -> tuple[np.ndarray, bool]:
+def gaussian_scales(y: np.ndarray, spec, reduce) -> tuple[np.ndarray, np.ndarray, bool]:
     """The writer's Gaussian-codebook scales of rotated ``y`` [H, M, D] (section 8.4): each
     group's root mean square ``sqrt(q / n)`` in fp32, ``q`` the squares added one at a time
     in the group's order, rounded to ``scale_dtype`` to nearest. ``reduce`` is
-    ``quant.group_reduce`` (groups shaped like the scales). Also says whether a group with a
-    nonzero element has ``q`` below 2^-126: its squares lost precision or vanished (the
-    scale may be 0), so the chunk must be checked on its decoded values (KVW-ROT-7)."""
+    ``quant.group_reduce`` (groups shaped like the scales). Also returns which groups hold a
+    nonzero element, and whether one of those has ``q`` below 2^-126: its squares lost
+    precision or vanished (the scale may be 0), so the chunk must be checked on its decoded
+    values (KVW-ROT-7)."""
 
-    def sumsq(block: np.ndarray, axis: int) -> np.ndarray:
+    def stats(block: np.ndarray, axis: int) -> np.ndarray:  # (q, n, live) per group, in one pass
         acc = np.zeros(block.shape[:axis] + block.shape[axis + 1:], F32)
         with np.errstate(over="ignore", under="ignore"):
             for j in range(block.shape[axis]):  # one at a time: every writer gets the same sum
                 e = np.take(block, j, axis=axis)
                 acc += e * e
-        return acc
+        live = (block != 0).any(axis=axis)
+        return np.stack([acc, np.full_like(acc, block.shape[axis]), live.astype(F32)], axis=-1)
 
-    q = reduce(y, spec, sumsq)
-    n = reduce(np.ones(y.shape, F32), spec, lambda blk, ax: np.full(blk.shape[:ax] + blk.shape[ax + 1:],
-                                                                     blk.shape[ax], F32))
-    live = reduce(y, spec, lambda blk, ax: (blk != 0).any(axis=ax))
+    r = reduce(y, spec, stats)
+    q, n, live = r[..., 0], r[..., 1], r[..., 2] != 0
     suspect = bool((live & ~(q >= np.float32(2.0 ** -126))).any())
-    return rms_to_dtype(np.sqrt(q / n), RG.DTYPES[spec.scale_dtype][2]), suspect
+    return rms_to_dtype(np.sqrt(q / n), RG.DTYPES[spec.scale_dtype][2]), live, suspect
 
 
 def rms_to_dtype(r: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -199,12 +199,11 @@ def gaussian_body(y: np.ndarray, spec, dtype: str, pieces: list, reduce, apply) 
     Returns the pieces and whether the chunk must be checked on its decoded values
     (``gaussian_scales``). Without a rotation KVW-LOSSY-5 (b) holds per group: a group with
     a nonzero element whose largest level decodes to 0 refuses the chunk."""
-    s, suspect = gaussian_scales(y, spec, reduce)
+    s, live, suspect = gaussian_scales(y, spec, reduce)
     sf = s.astype(F32)
     SC.check(np.isfinite(sf), f"have a root mean square beyond {spec.scale_dtype}")
-    live = reduce(y, spec, lambda blk, ax: (blk != 0).any(axis=ax)) if spec.rotation == "none" else None
     apply(y, [sf], spec, lambda blk, sc: gaussian_codes(blk, sc, spec.bits, blk))
-    if live is not None:
+    if spec.rotation == "none":
         top = reduce(np.abs(gaussian_values(y, spec.bits)), spec, lambda blk, ax: blk.max(axis=ax))
         with np.errstate(over="ignore", under="ignore"):
             SC.check(~live | (SC.to_header((top * sf).astype(F32), dtype) != 0), "with nonzero input would decode "
