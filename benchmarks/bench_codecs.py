@@ -47,7 +47,10 @@ from kvwire.codecs.pipeline import lossy_range  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
 
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
-          "kivi4", "kivi2"]
+          "kivi4", "kivi2",
+          # revisions 1.2 and 1.3 (spec/codecs.md sections 8, 9): `kvwire plan` reads their figures here
+          "hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2", "hadamard-lloyd-k3v2",
+          "kchan4-vlloyd4", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc"]
 LINK_GBPS = 10  # a 10 Gbps link carries 1.25 GB/s
 PREVIOUS = "34011f1cfc98b4f7540bcc7f3daa6b8dc2fb7952"  # numpy codecs before the #18 kernels
 
@@ -130,8 +133,8 @@ def paired(cache, r, old, rounds: int = 3) -> dict:
     jobs = []
     for i in range(r.chunk_count):
         c, k = r.info(i), int(r.records["reserved0"][i])
-        if not k or h.codec_specs[k - 1].codec == "byteplane_zstd":
-            continue
+        if not k or h.codec_specs[k - 1].codec == "byteplane_zstd" or h.codec_specs[k - 1].needs_rotation_bit:
+            continue  # the previous kernels predate revisions 1.2 and 1.3
         spec = h.codec_specs[k - 1]
         H, T, D = c.shape
         geo = (spec, h.dtype, H, D, c.token_start, c.token_start + T, *lossy_range(h, c.layer))

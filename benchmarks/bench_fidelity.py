@@ -46,7 +46,11 @@ KIVI_R0 = {b: {"k": CodecSpec("int_affine", bits=b, group_size=32, scale_dtype="
                "v": CodecSpec("int_affine", bits=b, group_size=32, scale_dtype="f16", group_axis="channels")}
            for b in (2, 4)}
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "fp8-e5m2", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
-          "kivi4", "kivi2", ("kivi4-r0", KIVI_R0[4]), ("kivi2-r0", KIVI_R0[2])]
+          "kivi4", "kivi2", ("kivi4-r0", KIVI_R0[4]), ("kivi2-r0", KIVI_R0[2]),
+          # revision 1.2 (spec/codecs.md section 8; three sources in bench_rotation.py)
+          "hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2", "hadamard-lloyd-k3v2",
+          "kchan4-vlloyd4", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
+          "vllm-turboquant-3bit-nc"]
 QUICK = ["raw", "zstd", "int8", "int4-g32", "kivi2"]
 LOSSLESS = ("raw", "zstd", "byteplane")
 

@@ -18,7 +18,9 @@ Encoding (``--encode``, on by default): the lossy body of every 256-token chunk 
 (K and V) for a grid of codec specs (all fp8 formats and scale granularities, int_affine
 8/4/2 bits on both group axes, symmetric and not, each scale dtype), by numpy
 (``quant.encode``) and by ``native.encode_lossy`` into a reused buffer, paired per round;
-bodies are checked byte-identical first. Goal: lossy encode >= 1 GB/s on one core.
+bodies are checked byte-identical first. Goal: lossy encode >= 1 GB/s on one core. Revision 1.2's
+rotated forms (the ``hadamard-*`` presets and ``ROT_TOKENS``) are in both tables (the k3v2 preset's
+two specs are lloyd3 and lloyd2 in the encoding table).
 """
 
 from __future__ import annotations
@@ -41,19 +43,28 @@ import kvwire
 from kvwire import CodecSpec
 from kvwire.codecs import decode_chunk, native, quant
 from kvwire.codecs.pipeline import lossy_range
-from kvwire.format import registry as R
+from kvwire.codecs.presets import PRESETS, resolve
+from kvwire.format.codec_specs import features_of
+from kvwire.format.kv_scales import required_minor
 from kvwire.format.architecture import Architecture, LayerSpec
 from kvwire.format.header import Header
 from kvwire.tools.synth import synth_cache
 
 CODECS = ["zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
-          "kivi4", "kivi2"]
+          "kivi4", "kivi2", "hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2",
+          "hadamard-lloyd-k3v2", "hadamard-int2-tokens", "hadamard-int3-tokens", "kchan3-vlloyd2",
+          "vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc"]
 METHODS = ["numpy", "native_hook", "native_1t", "native_2t"]
 GOAL_1, GOAL_2, GOAL_2_CODECS, GOAL_ENC = 1.25, 3.0, ("int8", "fp8", "byteplane"), 1.0
 
 
-def _int(bits, axis, sym, sd, G=32):
-    return CodecSpec("int_affine", bits=bits, group_size=G, group_axis=axis, symmetric=sym, scale_dtype=sd)
+def _int(bits, axis, sym, sd, G=32, **kw):
+    return CodecSpec("int_affine", bits=bits, group_size=G, group_axis=axis, symmetric=sym, scale_dtype=sd, **kw)
+
+
+# Revision 1.2 forms without a preset name: rotated min-max codes over groups of 32 tokens (f16 scales).
+ROT_TOKENS = {f"hadamard-int{b}-tokens": _int(b, "tokens", False, "f16", rotation="hadamard",
+                                              rotation_seed=PRESETS["hadamard-lloyd3"].rotation_seed) for b in (2, 3)}
 
 
 ENCODE = {  # name -> spec (lossless stage "raw": the stage is zstd's, measured in bench_codecs)
@@ -69,6 +80,11 @@ ENCODE = {  # name -> spec (lossless stage "raw": the stage is zstd's, measured 
     "kivi2 (int2 asym, K tokens)": _int(2, "tokens", False, "f16"),
     "int2-asym-channels-f16": _int(2, "channels", False, "f16"),
     "int2-sym-channels-f32": _int(2, "channels", True, "f32"),
+    # revision 1.2 (spec/codecs.md section 8): rotation, Gaussian codebook, 3-bit codes
+    **{n: PRESETS[n] for n in ("hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2")},
+    **ROT_TOKENS,
+    # revision 1.3 (section 9): vLLM's turboquant keys
+    **{f"{n} (K)": resolve(PRESETS[n], "k") for n in ("vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc")},
 }
 
 
@@ -77,8 +93,9 @@ def measure_encode(cache, spec, rounds: int) -> dict:
     k = cache.layers[0]["k"]
     heads, tokens, dim = k.shape
     arch = Architecture((LayerSpec("full_attention", heads, dim, dim),))
+    rf = features_of((spec,))  # revision 1.2 specs: the rotation bit and format 1.2
     h = Header(arch, token_count=tokens, dtype="bf16", chunk_tokens=256, codec_specs=(spec,),
-               required_features=R.REQUIRED_FEATURES["codec_specs"])
+               required_features=rf, format_minor=required_minor(rf))
     items = []
     for comp in ("k", "v"):
         for t0 in range(0, tokens, 256):
@@ -213,7 +230,7 @@ def main(argv=None) -> int:
                        f"{platform.python_version()}, numpy {np.__version__}"}
     rows = []
     for name in a.codecs.split(","):
-        r = kvwire.open(kvwire.encode(cache, codec=name))
+        r = kvwire.open(kvwire.encode(cache, codec=ROT_TOKENS.get(name, name)))
         items = chunks(r)
         row = {"codec": name, **measure(r.header, items, a.rounds)}
         rows.append(row)

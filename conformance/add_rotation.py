@@ -54,17 +54,24 @@ def _rot(bits: int, **kw) -> CodecSpec:
     return CodecSpec("int_affine", bits=bits, **kw)
 
 
-def gen_rotation(g) -> None:
-    """spec/codecs.md section 8: KVW-ROT-1..7."""
-    I = g.invalid  # noqa: E741
-
+def valid_maker(g, bit: int, minor: int, base_rules: list):
+    """``valid(name, cache, codec, rules, description, form)``: a valid vector of ``cache``
+    encoded with ``codec``, which must set ``bit`` and write ``minor``; expected values from
+    the literal decoder."""
     def valid(name, cache, codec, rules, description, form="file"):
         data = kvwire.encode(cache, codec=codec, form=form)
         h = kvwire.probe(data)
-        assert h.required_features & ROT_BIT and h.format_minor == 2, name
+        assert h.required_features & bit and h.format_minor == minor, name
         exp = expected(data)
-        g.valid(name, data, exp, rules=[*RULES, *rules], description=description, expect_header=exp.header)
+        g.valid(name, data, exp, rules=[*base_rules, *rules], description=description, expect_header=exp.header)
         return data
+    return valid
+
+
+def gen_rotation(g) -> None:
+    """spec/codecs.md section 8: KVW-ROT-1..7."""
+    I = g.invalid  # noqa: E741
+    valid = valid_maker(g, ROT_BIT, 2, RULES)
 
     # --- every rotated preset, one per layer, K with outlier channels
     h = Header(Architecture((_full(2, 64),) * len(ROTATED)), token_count=40, dtype="bf16", chunk_tokens=32,
@@ -213,6 +220,34 @@ def gen_rotation(g) -> None:
     I("rotation-int3-padding-bits", body_edit(lambda b: b[:-1] + bytes([b[-1] | 0x80])), rule="KVW-ROT-3",
       code="DECODE_FAILED", description="5 codes of 3 bits fill 15 bits of 2 bytes: bit 15 (the padding) set")
 
+
+KCHAN = ("kchan4-vlloyd4", "kchan3-vlloyd2")
+
+
+def gen_rotation_kchan(g) -> None:
+    """The mixed presets: unrotated per-channel keys, rotated Gaussian-codebook values."""
+    for name, dtype, form, seed, dim in (("rotation-kchan-presets-bf16", "bf16", "file", 7101, 64),
+                                         ("rotation-kchan-presets-f16-stream", "f16", "stream", 7102, 128)):
+        h = Header(Architecture((_full(2, dim),) * len(KCHAN)), token_count=100, dtype=dtype, chunk_tokens=64,
+                   producer=PRODUCER)
+        c = _cache(h, seed, _outliers)
+        choice = {(i, comp): p for i, p in enumerate(KCHAN) for comp in ("k", "v")}
+        data = kvwire.encode(c, codec=choice, form=form)
+        hd = kvwire.probe(data)
+        assert hd.required_features & ROT_BIT and hd.format_minor == 2, name
+        exp = expected(data)
+        g.valid(name, data, exp, rules=[*RULES, "KVW-ROT-4", "KVW-INT-2", "KVW-LOSSY-3"],
+                description=f"{dtype} cache ({form} form), one preset per layer ({', '.join(KCHAN)}): K per channel "
+                            f"over 64 tokens (unrotated, with two outlier channels x40, x20), V rotated onto the "
+                            f"Gaussian codebook; 2 heads of dim {dim}, 100 tokens in chunks of 64 (a partial "
+                            "token group in the second chunk)", expect_header=exp.header)
+
+
+ADDITION_KCHAN = {
+    "make": gen_rotation_kchan,
+    "spec": "spec/codecs.md revision 1.2: section 8 and section 6 (presets kchan4-vlloyd4, kchan3-vlloyd2)",
+    "rules_without_vector": {},
+}
 
 ADDITION = {
     "make": gen_rotation,

@@ -1338,6 +1338,7 @@ import add_lossy  # noqa: E402  (spec/codecs.md KVW-LOSSY-5/6)
 import add_stream_hostile  # noqa: E402  (KVW-LIM-8)
 import add_kv_scales  # noqa: E402  (revision 1.1: section 5.10, feature kv_scales)
 import add_rotation  # noqa: E402  (revision 1.2: spec/codecs.md section 8, feature rotation)
+import add_turboquant  # noqa: E402  (revision 1.3: spec/codecs.md section 9, feature turboquant)
 
 ADDITIONS = {
     "final_1_0": add_final.ADDITION,
@@ -1351,6 +1352,8 @@ ADDITIONS = {
     "lossy_extremes": add_lossy.ADDITION,
     "kv_scales": add_kv_scales.ADDITION,
     "rotation": add_rotation.ADDITION,
+    "rotation_kchan": add_rotation.ADDITION_KCHAN,
+    "turboquant": add_turboquant.ADDITION,
     "engine_layout": {
         "make": gen_engine_layout,
         "spec": "spec/kvwire-v1.md section 5.9 (header field 16, table EngineLayout)",

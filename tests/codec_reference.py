@@ -107,6 +107,27 @@ def gaussian_level(b: int, u: int) -> float:
     return upper[u - half] if u >= half else -upper[half - 1 - u]
 
 
+# KVW-TQ-4's tables, copied from the spec: (bits, log2(D) odd) -> upper half of L
+TQ_LEVELS_HEX = {(3, True): "3CB16317 3D88C955 3DF3243D 3E42A09F",
+                 (3, False): "3CFADCFB 3DC171FC 3E2BED53 3E899F54",
+                 (4, True): "3C39FBAE 3D0C8559 3D6DD0E1 3DAA99F2 3DE3682B 3E126F17 3E3B36E7 3E772CC4",
+                 (4, False): "3C83828A 3D46B9FF 3DA82948 3DF1444A 3E20CD0C 3E4F16C0 3E846170 3EAEC76E"}
+
+
+def turboquant_row(codes: list, s: float, b: int) -> list:
+    """KVW-TQ-4 on one row: L[u], the squares added in order, 1 / sqrt, then (v * inv) * s."""
+    D = len(codes)
+    upper = [struct.unpack("<f", struct.pack("<I", int(x, 16)))[0]
+             for x in TQ_LEVELS_HEX[b, (D.bit_length() - 1) % 2 == 1].split()]
+    half = 1 << (b - 1)
+    v = [upper[u - half] if u >= half else -upper[half - 1 - u] for u in codes]
+    n = 0.0
+    for x in v:
+        n = f32(n + f32(x * x))
+    inv = f32(1.0 / f32(math.sqrt(n)))
+    return [f32(f32(x * inv) * s) for x in v]
+
+
 def splitmix_signs(seed: int, n: int) -> list:
     """KVW-ROT-5, literally."""
     mask = (1 << 64) - 1
@@ -121,8 +142,9 @@ def splitmix_signs(seed: int, n: int) -> list:
     return out
 
 
-def hadamard_inverse(y: list, seed: int) -> list:
-    """KVW-ROT-6 on one row of fp32 values (Python floats), one fp32 rounding per operation."""
+def hadamard_inverse(y: list, seed: int, signed: bool = True) -> list:
+    """KVW-ROT-6 on one row of fp32 values (Python floats), one fp32 rounding per operation
+    (``signed=False``: every sign +1, KVW-TQ-3)."""
     D = len(y)
     B = D & -D
     k = B.bit_length() - 1
@@ -137,7 +159,7 @@ def hadamard_inverse(y: list, seed: int) -> list:
                     a, b = y[i], y[i + h]
                     y[i], y[i + h] = f32(a + b), f32(a - b)
             h *= 2
-    sigma = splitmix_signs(seed, D)
+    sigma = splitmix_signs(seed, D) if signed else [1.0] * D
     return [f32(f32(y[d] * c) * sigma[d]) for d in range(D)]
 
 
@@ -200,6 +222,9 @@ def decode(spec, dtype: str, stored: bytes, H: int, T: int, D: int, t0: int, lo:
         codes = body[at:]
         rotation = getattr(spec, "rotation", "none")  # revision 1.2 (section 8)
         gaussian = getattr(spec, "codebook", "uniform") == "gaussian"
+        turboquant = getattr(spec, "codebook", "uniform") == "turboquant"  # revision 1.3 (section 9)
+        if turboquant:
+            assert D & (D - 1) == 0 and G >= D, "KVW-TQ-2: DECODE_FAILED"
         for h in range(H):
             for m in range(M):
                 row = []
@@ -210,15 +235,19 @@ def decode(spec, dtype: str, stored: bytes, H: int, T: int, D: int, t0: int, lo:
                         g = (h * -(-M // G) + m // G) * D + d
                     else:
                         g = (h * M + m) * -(-D // G) + d // G
-                    if gaussian:
+                    if turboquant:
+                        x = u  # the code; the row is decoded whole below
+                    elif gaussian:
                         x = f32(gaussian_level(b, u) * scales[g])
                     elif spec.symmetric:
                         x = f32((u - (1 << (b - 1))) * scales[g])
                     else:
                         x = f32(f32(u * scales[g]) + zeros[g])
                     row.append(x)
-                if rotation == "hadamard":
-                    row = hadamard_inverse(row, spec.rotation_seed)
+                if turboquant:
+                    row = turboquant_row(row, scales[(h * M + m) * -(-D // G)], b)
+                if rotation in ("hadamard", "sylvester"):
+                    row = hadamard_inverse(row, spec.rotation_seed, signed=rotation == "hadamard")
                 for d in range(D):
                     out[h][P + m][d] = to_dtype(row[d], dtype)
     return b"".join(out[h][t][d] for h in range(H) for t in range(T) for d in range(D))

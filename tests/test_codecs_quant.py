@@ -299,7 +299,8 @@ from kvwire.codecs.scales import LARGEST, PRECISION, SMALLEST  # noqa: E402
 LOSSY_PRESETS = sorted(n for n in PRESETS if isinstance(resolve(PRESETS[n], "k"), CodecSpec)
                        and resolve(PRESETS[n], "k").lossy
                        and resolve(PRESETS[n], "k").rotation == "none")  # rotated: tests/test_rotation.py
-PRESET_SPECS = [(n, c) for n in LOSSY_PRESETS for c in ("k", "v") if c == "k" or isinstance(PRESETS[n], dict)]
+PRESET_SPECS = [(n, c) for n in LOSSY_PRESETS for c in ("k", "v") if (c == "k" or isinstance(PRESETS[n], dict))
+                and resolve(PRESETS[n], c).rotation == "none"]
 EXTREME_SPECS = PRESET_SPECS + [
     (f"int{b}-{a}-{'sym' if s else 'asym'}-{sd}", CodecSpec("int_affine", bits=b, group_size=G, group_axis=a,
                                                             symmetric=s, scale_dtype=sd))

@@ -43,9 +43,11 @@ VECTORS = ROOT / "conformance" / "vectors"
 # 9bec6d3f... (+ parse_budget: KVW-LIM-7 FlatBuffer DAGs),
 # 4b4d8d31... (+ final_1_0, lossy_extremes, stream_hostile),
 # fb7225bf... (+ kv_scales: revision 1.1, per-layer fp8 scales, spec section 5.10; format 1.1 containers),
-# 5645761f... (+ rotation: revision 1.2, spec/codecs.md section 8; format 1.2 containers).
+# 5645761f... (+ rotation: revision 1.2, spec/codecs.md section 8; format 1.2 containers),
+# c03d5d46... (+ rotation_kchan: the presets kchan4-vlloyd4 and kchan3-vlloyd2),
+# 8a718fe6... (+ turboquant: revision 1.3, spec/codecs.md section 9; format 1.3 containers).
 PINNED_MANIFESTS = {
-    "1.0": "5645761fae662e8f77bfcf23b6b5fd6795a2d01d677dd6ce821f77549e71cc90",
+    "1.0": "8a718fe69372f938b83849444a9f45b439a59f3a9d109a45ff4df628b86589c8",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {

@@ -356,10 +356,10 @@ def test_xm10_rescale_to_none_drops_the_field_and_scaled_round_trip():
 
 def test_kvscale_is_public_and_conformance_info_reports_1_1():
     """kvwire.KVScale is the header's struct type, in __all__; the conformance
-    implementation's info lists formats 1.0 to 1.2 and keeps protocol 1."""
+    implementation's info lists formats 1.0 to 1.3 and keeps protocol 1."""
     assert kvwire.KVScale is KVScale and "KVScale" in kvwire.__all__
     assert all(hasattr(kvwire, name) for name in kvwire.__all__)
     assert kvwire.Header(kvwire.Architecture((FULL,)), token_count=0, dtype="f8_e5m2", chunk_tokens=4,
                          kv_scales=[kvwire.KVScale(0.5, 2.0)]).kv_scales == (KVScale(0.5, 2.0),)
     info = json.loads(json.dumps(impl.info()))
-    assert info["protocol"] == 1 and info["format_versions"] == ["1.0", "1.1", "1.2"]  # 1.2: rotation
+    assert info["protocol"] == 1 and info["format_versions"] == ["1.0", "1.1", "1.2", "1.3"]  # 1.2: rotation, 1.3: turboquant

@@ -151,15 +151,16 @@ def test_rotated_bodies_decode_bit_exactly(case):
 
 
 @pytest.mark.parametrize("name", ["hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2",
-                                  "hadamard-lloyd-k3v2"])
+                                  "hadamard-lloyd-k3v2", "kchan4-vlloyd4", "kchan3-vlloyd2"])
 def test_presets_round_trip_through_containers(name):
     """Every rotated preset: a 1.2 container (bits 0 and 4, format_minor 2) that both readers
-    decode to the literal decoder's bytes."""
+    decode to the literal decoder's bytes (kchan*: unrotated per-channel keys, rotated values)."""
     c = forge.small_cache(layers=2, heads=2, head_dim=32, tokens=70, dtype="bf16")
     data = kvwire.encode(c, codec=name)
     h = kvwire.probe(data)
     assert h.required_features == SPECS_BIT | ROTATION_BIT and h.format_minor == 2
-    assert all(s.rotation == "hadamard" for s in h.codec_specs)
+    rotated = [s.rotation == "hadamard" for s in h.codec_specs]
+    assert all(rotated) if name.startswith("hadamard") else sorted(rotated) == [False, True]
     got = kvwire.load(data)
     parts = ref.decode_container(data)
     for i, layer in enumerate(got.layers):
@@ -255,16 +256,16 @@ def test_bit_without_specs_and_enum_codes(monkeypatch):
     arch = Architecture((LayerSpec("full_attention", 1, 8, 8),))
     h = Header(arch, token_count=0, dtype="bf16", required_features=ROTATION_BIT, format_minor=2)
     forge.expect(forge.wrap_header(forge.header_of(h)), kvwire.FormatError, "CODEC_SPEC_INVALID", "KVW-ROT-1")
-    monkeypatch.setitem(R.ROTATIONS, "bogus", 2)
-    monkeypatch.setitem(R.CODEBOOKS, "bogus", 2)
+    monkeypatch.setitem(R.ROTATIONS, "bogus", 3)
+    monkeypatch.setitem(R.CODEBOOKS, "bogus", 3)
     for bad in (rotated(rotation="bogus"), rotated(codebook="bogus", symmetric=True)):
         hb = forge.header_of(Header(arch, token_count=0, dtype="bf16", codec_specs=(bad,),
                                     required_features=SPECS_BIT | ROTATION_BIT, format_minor=2))
         monkeypatch.delitem(R.ROTATIONS, "bogus", raising=False)
         monkeypatch.delitem(R.CODEBOOKS, "bogus", raising=False)
         forge.expect(forge.wrap_header(hb), kvwire.FormatError, "ENUM_OUT_OF_RANGE", "KVW-HDR-10")
-        monkeypatch.setitem(R.ROTATIONS, "bogus", 2)
-        monkeypatch.setitem(R.CODEBOOKS, "bogus", 2)
+        monkeypatch.setitem(R.ROTATIONS, "bogus", 3)
+        monkeypatch.setitem(R.CODEBOOKS, "bogus", 3)
 
 
 def test_fields_without_the_bit_are_not_read():

@@ -136,3 +136,24 @@ def test_load_to_device_lossy(codec):
         ring = StagingRing(s, 1, 2)
         host = load_to_device(r, "cpu", ring=ring, device_dequant=False)  # decoded on the host
     assert forge.cache_bytes_equal(host, got) and ring.staged == raw
+
+
+@pytest.mark.parametrize("codec", ["hadamard-int4-g32", "hadamard-lloyd3", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc"])
+def test_load_to_device_of_revision_1_2_and_1_3_specs_decodes_on_the_host(codec):
+    """Rotated, codebook and 3-bit specs have no torch kernel: load_to_device decodes them on
+    the host (the ring stages decoded bytes) and the result equals the host load bit for bit
+    (the device kernel would misread them)."""
+    import kvwire
+    from kvwire.cache.cuda import SimulatedStream, StagingRing
+    from kvwire.cache.device_load import load_to_device
+    from kvwire.tools.synth import synth_cache
+    import forge
+    data = kvwire.encode(synth_cache(2, 2, 64, 300, chunk_tokens=128, seed=4), codec=codec)
+    assert kvwire.probe(data).format_minor >= 2
+    with SimulatedStream(delay=0.0) as s, kvwire.open(data) as r:
+        ring = StagingRing(s, 1, 2)
+        got = load_to_device(r, "cpu", ring=ring)
+        raw = int(r.records["raw_length"].sum())
+        all_new = all(sp.needs_rotation_bit for sp in r.header.codec_specs)
+    assert forge.cache_bytes_equal(got, kvwire.load(data))
+    assert ring.staged == raw if all_new else ring.staged < raw  # turboquant's plain V: dequantized on the device

@@ -455,7 +455,7 @@ def test_hdr10_enum_out_of_range(kw):
     expect(hdr(**kw), SchemaError, "ENUM_OUT_OF_RANGE", "KVW-HDR-10")
 
 
-@pytest.mark.parametrize("bits", [1 << 5, 1 << 17, 1 << 63])  # bits 0-4 are assigned (section 20.8; 3: 1.1 kv_scales, 4: 1.2 rotation)
+@pytest.mark.parametrize("bits", [1 << 6, 1 << 17, 1 << 63])  # bits 0-5 are assigned (section 20.8; 3: 1.1 kv_scales, 4: 1.2 rotation, 5: 1.3 turboquant)
 def test_evol3_unknown_required_feature(bits):
     expect(hdr(required_features=bits), FeatureError, "UNSUPPORTED_FEATURE", "KVW-EVOL-3")
 

@@ -1,6 +1,6 @@
 /*
- * libkvwire: a C11 implementation of the kvwire format (spec/kvwire-v1.md, revision 1.2,
- * with the companions spec/codecs.md, spec/sparse.md and spec/crossmodel.md).
+ * libkvwire: a C11 implementation of the kvwire format (spec/kvwire-v1.md, revision 1.3, with
+ * the companions spec/codecs.md, spec/sparse.md and spec/crossmodel.md).
  *
  * Why a C library: the engines and stores around KV caches are C and C++ (or call C), and a
  * second implementation written from spec/ alone proves the spec is enough. It depends on
@@ -29,7 +29,7 @@ extern "C" {
 
 #define KVW_VERSION_STRING "0.1.0"
 #define KVW_FORMAT_MAJOR 1
-#define KVW_FORMAT_MINOR 2 /* the newest revision this library implements */
+#define KVW_FORMAT_MINOR 3 /* the newest revision this library implements (1.3) */
 
 /* ------------------------------------------------------------------------------------ */
 /* Error codes: spec/kvwire-v1.md section 18, in registry (alphabetical) order.           */
@@ -167,9 +167,14 @@ typedef enum kvw_scale_granularity {
     KVW_SCALE_TENSOR = 0, KVW_SCALE_HEAD = 1, KVW_SCALE_TOKEN = 2
 } kvw_scale_granularity;
 typedef enum kvw_group_axis { KVW_GROUP_TOKENS = 0, KVW_GROUP_CHANNELS = 1 } kvw_group_axis;
-/* Revision 1.2 (spec/codecs.md section 8): int_affine's rotation stage and codebook. */
-typedef enum kvw_rotation { KVW_ROTATION_NONE = 0, KVW_ROTATION_HADAMARD = 1 } kvw_rotation;
-typedef enum kvw_codebook { KVW_CODEBOOK_UNIFORM = 0, KVW_CODEBOOK_GAUSSIAN = 1 } kvw_codebook;
+/* Revision 1.2 (spec/codecs.md section 8): int_affine's rotation stage and codebook; code 2
+ * of each is revision 1.3's (section 9), in range only with required bit 5. */
+typedef enum kvw_rotation {
+    KVW_ROTATION_NONE = 0, KVW_ROTATION_HADAMARD = 1, KVW_ROTATION_SYLVESTER = 2
+} kvw_rotation;
+typedef enum kvw_codebook {
+    KVW_CODEBOOK_UNIFORM = 0, KVW_CODEBOOK_GAUSSIAN = 1, KVW_CODEBOOK_TURBOQUANT = 2
+} kvw_codebook;
 
 #define KVW_CHECKSUM_XXH3_64 0
 
@@ -179,7 +184,8 @@ typedef enum kvw_codebook { KVW_CODEBOOK_UNIFORM = 0, KVW_CODEBOOK_GAUSSIAN = 1 
 #define KVW_FEATURE_STATE_LAYERS (UINT64_C(1) << 2)
 #define KVW_FEATURE_KV_SCALES    (UINT64_C(1) << 3) /* revision 1.1 */
 #define KVW_FEATURE_ROTATION     (UINT64_C(1) << 4) /* revision 1.2 (codecs.md KVW-ROT-1) */
-#define KVW_FEATURES_KNOWN       (UINT64_C(0x1F))
+#define KVW_FEATURE_TURBOQUANT   (UINT64_C(1) << 5) /* revision 1.3 (codecs.md KVW-TQ-1) */
+#define KVW_FEATURES_KNOWN       (UINT64_C(0x3F))
 
 /* Registry names ("bf16", "byteplane_zstd", "latent", "sliding_attention", "llama3",
  * "alias", "token", "channels"); NULL for a code outside the registry. */
@@ -191,8 +197,8 @@ const char *kvw_rope_type_name(int code);
 const char *kvw_map_op_name(int code);
 const char *kvw_scale_granularity_name(int code);
 const char *kvw_group_axis_name(int code);
-const char *kvw_rotation_name(int code); /* "none", "hadamard" */
-const char *kvw_codebook_name(int code); /* "uniform", "gaussian" */
+const char *kvw_rotation_name(int code); /* "none", "hadamard", "sylvester" */
+const char *kvw_codebook_name(int code); /* "uniform", "gaussian", "turboquant" */
 /* Element size in bytes of a dtype (1, 2 or 4), 0 for a code outside the registry. */
 unsigned kvw_dtype_size(int code);
 
@@ -315,6 +321,9 @@ typedef struct kvw_codec_spec {
 
 /* 1 when the spec needs required bit 4: rotation hadamard, codebook gaussian or bits 3. */
 int kvw_codec_spec_uses_rotation(const kvw_codec_spec *c);
+/* 1 when the spec needs required bit 5 (with bit 4): rotation sylvester or codebook
+ * turboquant (revision 1.3, codecs.md KVW-TQ-1). */
+int kvw_codec_spec_uses_turboquant(const kvw_codec_spec *c);
 
 typedef struct kvw_sparse_info {
     kvw_bytes method;

@@ -43,11 +43,19 @@ kvw_code kvwc_lossy_geometry(const kvw_header *h, const kvw_record *rec,
         int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0;
         if (s->bits != 2 && s->bits != 4 && s->bits != 8 && !(rot && s->bits == 3))
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-INT-1", "bits %u", s->bits);
-        if (s->rotation > KVW_ROTATION_HADAMARD || s->codebook > KVW_CODEBOOK_GAUSSIAN ||
+        unsigned top = (h->required_features & KVW_FEATURE_TURBOQUANT) ? 2 : 1; /* TQ-1 */
+        if (s->rotation > top || s->codebook > top ||
             (s->codebook == KVW_CODEBOOK_GAUSSIAN && (!s->symmetric || s->bits == 8)))
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-2",
                             "rotation %u, codebook %u (symmetric %u, bits %u)", s->rotation,
                             s->codebook, s->symmetric, s->bits);
+        if ((s->rotation == KVW_ROTATION_SYLVESTER && s->rotation_seed) ||
+            (s->codebook == KVW_CODEBOOK_TURBOQUANT &&
+             (!s->symmetric || s->group_axis != KVW_GROUP_CHANNELS || (s->bits != 3 && s->bits != 4))))
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-TQ-2",
+                            "rotation %u (seed %llu), codebook %u (symmetric %u, group_axis %u, "
+                            "bits %u)", s->rotation, (unsigned long long)s->rotation_seed,
+                            s->codebook, s->symmetric, s->group_axis, s->bits);
         if (s->scale_dtype > KVW_DTYPE_F32)
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-INT-1", "scale_dtype %u",
                             s->scale_dtype);

@@ -150,6 +150,37 @@ void kvwc_rot_row_avx2(float *y, uint64_t D, uint64_t B, float cb, const uint32_
 void kvwc_rot_dequant_avx2(const uint8_t *u, const float *lv, const float *s, const float *z,
                            float *x, uint64_t n);
 void kvwc_rot_to_bf16_avx2(const float *x, uint16_t *out, uint64_t n);
+/* The fused AVX2 row decoder (codecs_rot_avx2.c; only when kvwc_rot_avx2_built and the CPU
+ * has AVX2): codes of b = 2, 3 or 4 bits (D * b / 8 bytes of one row) -> lv[u] * s (+ z) ->
+ * (with mask) the butterflies and (y * cb) ^ mask -> bf16, the same operations in the same
+ * order as the portable steps. s, z: per channel (grp NULL) or per channel group with grp
+ * giving each register's group (G a multiple of 8). kvwc_rot_dec_bf16_avx2 writes the row's
+ * bf16 bytes (little-endian) when kvwc_rot_dec_bf16_fits(D) (D a power of two, 8..128: the
+ * row in registers); kvwc_rot_dequant_codes_avx2 writes x = lv[u] * s (+ z) for any D % 8 == 0. */
+typedef struct kvwc_rot_drow {
+    unsigned b;
+    const float *lv;     /* 16 levels (codes of b <= 4 bits) */
+    const uint16_t *grp; /* D / 8 group indices, or NULL */
+    const uint32_t *mask; /* the sign masks, or NULL: no rotation */
+    float cb;
+    uint64_t D;
+} kvwc_rot_drow;
+int kvwc_rot_dec_bf16_fits(uint64_t D);
+void kvwc_rot_dec_bf16_avx2(const kvwc_rot_drow *q, const uint8_t *codes, const float *s,
+                            const float *z, uint8_t *dst);
+void kvwc_rot_dequant_codes_avx2(const kvwc_rot_drow *q, const uint8_t *codes, const float *s,
+                                 const float *z, float *x);
+/* The encoder's AVX2 kernels (codecs_rot_avx2.c; the values of codecs_rot_enc.c's portable
+ * loops): kvwc_rot_enc_row_avx2: a bf16 / f32 row (D % 8 == 0) -> fp32 y, rotated when mask
+ * (signs, butterflies, * cb), its largest magnitude bits in *amax; kvwc_rot_sumsq8_avx2: the
+ * channel groups' (G % 8 == 0) sums of squares, in element order, and nonzero flags of 8
+ * consecutive rows, at acc / live [r * gd + c]; kvwc_rot_gauss_codes_avx2: one row's gaussian
+ * codes (b = 2..4) as D * b / 8 fresh bytes, scales sv per channel (grp NULL) or per group. */
+void kvwc_rot_enc_row_avx2(const uint8_t *src, unsigned dt, uint64_t D, uint64_t B, float cb,
+                           const uint32_t *mask, float *y, uint32_t *amax);
+void kvwc_rot_sumsq8_avx2(const float *x, uint64_t D, uint64_t G, float *acc, uint8_t *live);
+void kvwc_rot_gauss_codes_avx2(const float *x, const float *sv, const uint16_t *grp, uint64_t D,
+                               unsigned b, const float *mid, uint8_t *out);
 /* The 2^b fp32 levels C_b of the gaussian codebook into lv (b = 2, 3 or 4; KVW-ROT-4). */
 void kvwc_codebook_levels(unsigned b, float *lv);
 /* codecs_qenc.c's int_affine encoder of the quantized part x (fp32, [H, M, D]) with the

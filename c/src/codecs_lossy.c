@@ -9,6 +9,7 @@
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_tq.h"
 
 #include <stdlib.h>
 
@@ -144,6 +145,16 @@ static float load_param(const uint8_t *p, unsigned dtype) {
     return dtype == KVW_DTYPE_F32 ? kvw_ldf32(p)
          : dtype == KVW_DTYPE_F16 ? kvwc_from_f16(kvw_ld16(p)) : kvwc_from_bf16(kvw_ld16(p));
 }
+/* load_param's value without branches per element (kvwc_from_f16's three cases as selects). */
+static inline float load_param_nb(const uint8_t *p, unsigned dtype) {
+    if (dtype == KVW_DTYPE_F32) return kvw_ldf32(p);
+    uint16_t h = kvw_ld16(p);
+    if (dtype != KVW_DTYPE_F16) return kvwc_from_bf16(h);
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t sub = sign | kvwc_f32_bits((float)m * 5.9604644775390625e-8f); /* m * 2^-24, exact */
+    uint32_t big = sign | (e == 0x1F ? 0x7F800000u : (e + 112u) << 23) | (m << 13);
+    return kvwc_bits_f32(e == 0 ? sub : big);
+}
 
 /* n b-bit codes from element index i0 on (KVW-INT-4: least significant bits first); ut[v]
  * holds the codes of byte value v. */
@@ -179,7 +190,19 @@ kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint
     if (!sc) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "int_affine: %llu parameters",
                              (unsigned long long)np);
     float *zr = g->zeros ? sc + np : NULL;
-    for (uint64_t k = 0; k < np; k++) { /* KVW-INT-3: scales */
+    /* The common case in branch-free loops that vectorise (a chunk has thousands of
+     * parameters); a bad one is then found and reported by the loops below. */
+    uint32_t bad = 0;
+    unsigned sd = s->scale_dtype;
+    for (uint64_t k = 0; k < np; k++) {
+        uint32_t u = kvwc_f32_bits(sc[k] = load_param_nb(params + k * ps, sd));
+        bad |= ((u & 0x7F800000u) == 0x7F800000u) | (u >> 31);
+    }
+    for (uint64_t k = 0; zr && k < np; k++) {
+        uint32_t u = kvwc_f32_bits(zr[k] = load_param_nb(params + (np + k) * ps, sd));
+        bad |= (u & 0x7F800000u) == 0x7F800000u;
+    }
+    for (uint64_t k = 0; bad && k < np; k++) { /* KVW-INT-3: scales */
         float v = load_param(params + k * ps, s->scale_dtype);
         if (!f32_finite(v) || (kvwc_f32_bits(v) >> 31)) {
             free(sc);
@@ -189,7 +212,7 @@ kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint
         }
         sc[k] = v;
     }
-    for (uint64_t k = 0; zr && k < np; k++) { /* KVW-INT-3: zeros */
+    for (uint64_t k = 0; bad && zr && k < np; k++) { /* KVW-INT-3: zeros */
         float v = load_param(params + (np + k) * ps, s->scale_dtype);
         if (!f32_finite(v)) {
             free(sc);
@@ -308,6 +331,8 @@ kvw_code kvwc_lossy_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     if (!M || !g->D) return KVW_OK;
     const uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
     if (s->codec == KVW_CODEC_FP8) return fp8_decode(h, s, g, params, codes, out, err);
+    if (s->codebook == KVW_CODEBOOK_TURBOQUANT) /* revision 1.3: codecs_tq.c */
+        return kvwc_tq_decode(h, s, g, params, codes, out, err);
     if (kvw_codec_spec_uses_rotation(s)) /* revision 1.2: codecs_rot.c */
         return kvwc_rot_decode(h, s, g, params, codes, out, err);
     return int_decode(h, s, g, params, codes, out, err);

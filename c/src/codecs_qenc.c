@@ -9,6 +9,7 @@
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_tq.h"
 
 #include <stdlib.h>
 
@@ -264,6 +265,8 @@ kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, co
                                 const kvw_iovec *parts, int nparts, uint8_t *body, kvw_error *err) {
     uint64_t H = g->H, T = g->T, D = g->D, w = g->w, P = g->P, Q = g->Q, M = g->M;
     uint64_t rowb = D * w;
+    kvw_code fits = kvwc_tq_writer_fits(s, g, err); /* revision 1.3: codecs_tq.c */
+    if (fits) return fits;
     if (nparts == 1 && kvwc_qenc_fast(h, s, g, (const uint8_t *)parts[0].base, body))
         return KVW_OK;
     if (g->Lb) memset(body, 0, (size_t)g->Lb); /* the codes are or-ed in */
@@ -298,6 +301,7 @@ kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, co
     if (M && H && D) {
         uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
         rc = s->codec == KVW_CODEC_FP8 ? encode_fp8(h, s, g, x, params, codes, err)
+           : s->codebook == KVW_CODEBOOK_TURBOQUANT ? kvwc_tq_encode(h, s, g, x, body, err)
            : kvw_codec_spec_uses_rotation(s) ? kvwc_rot_encode(h, s, g, x, body, err)
                                              : kvwc_encode_int(h, s, g, x, params, codes, err);
     }

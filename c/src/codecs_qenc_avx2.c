@@ -186,6 +186,82 @@ int kvwc_qch_params_avx2(const iprm *q, size_t n, const float *mn, const float *
     return row_params(q, n, mn, mx, sv, zv, den, params, k);
 }
 
+/* ---- groups along tokens: the same steps per channel, eight channels a register ---- */
+INL int tok_extremes_dt(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, float *mn,
+                        float *mx) {
+    size_t w = dt == KVW_DTYPE_F32 ? 4 : 2;
+    __m256i am = _mm256_setzero_si256();
+    for (size_t d = 0; d < D; d += 8) { /* mn < v ? mn : v is minps (the later of equal values) */
+        __m256i u = load_raw(rows + d * w, dt);
+        am = _mm256_max_epu32(am, abs_raw(u, dt));
+        __m256 lo = to_f32(u, dt), hi = lo;
+        for (size_t r = 1; r < nr; r++) {
+            u = load_raw(rows + r * rowb + d * w, dt);
+            am = _mm256_max_epu32(am, abs_raw(u, dt));
+            __m256 v = to_f32(u, dt);
+            lo = _mm256_min_ps(lo, v);
+            hi = _mm256_max_ps(hi, v);
+        }
+        _mm256_storeu_ps(mn + d, lo);
+        _mm256_storeu_ps(mx + d, hi);
+    }
+    uint32_t inf = dt == KVW_DTYPE_F32 ? 0x7F800000u : dt == KVW_DTYPE_F16 ? 0x7C00u : 0x7F80u;
+    return hmax_u32(am) < inf;
+}
+int kvwc_qtok_extremes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, float *mn,
+                            float *mx) {
+    return dt == KVW_DTYPE_BF16  ? tok_extremes_dt(rows, nr, rowb, D, KVW_DTYPE_BF16, mn, mx)
+           : dt == KVW_DTYPE_F16 ? tok_extremes_dt(rows, nr, rowb, D, KVW_DTYPE_F16, mn, mx)
+                                 : tok_extremes_dt(rows, nr, rowb, D, KVW_DTYPE_F32, mn, mx);
+}
+/* 8 codes of 3 bits (low bits of the lanes) as 3 bytes, least significant first (ROT-3). */
+INL uint32_t join3(__m256i q) {
+    __m256i v = _mm256_sllv_epi32(q, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+    __m128i o = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0x4E));
+    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(o);
+}
+INL void tok_codes_dt(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, const float *zv,
+                      const float *den, int sym, unsigned b, uint8_t *out) {
+    size_t w = dt == KVW_DTYPE_F32 ? 4 : 2;
+    float qm = (float)(sym ? (1u << (b - 1)) - 1u : (1u << b) - 1u);
+    const __m256 qmax = _mm256_set1_ps(qm), loc = _mm256_set1_ps(sym ? -qm : 0.0f);
+    const __m256i half = _mm256_set1_epi32(sym ? 1 << (b - 1) : 0);
+    uint8_t cb[KVWC_QCH_MAXD];
+    for (size_t r = 0; r < nr; r++) {
+        const uint8_t *p = rows + r * rowb;
+        uint8_t *o = out + r * D * b / 8, *dst = b == 8 ? o : cb;
+        for (size_t d = 0; d < D; d += 8) {
+            __m256 x = to_f32(load_raw(p + d * w, dt), dt);
+            __m256 y = _mm256_div_ps(sym ? x : _mm256_sub_ps(x, _mm256_loadu_ps(zv + d)), _mm256_loadu_ps(den + d));
+            y = _mm256_max_ps(_mm256_min_ps(y, qmax), loc);
+            __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(y), half);
+            if (b == 3) {
+                uint32_t v = join3(q);
+                o[3 * d / 8] = (uint8_t)v, o[3 * d / 8 + 1] = (uint8_t)(v >> 8), o[3 * d / 8 + 2] = (uint8_t)(v >> 16);
+            } else {
+                store_bytes8(dst + d, q);
+            }
+        }
+        if (b == 4 || b == 2) pack_bits(cb, D, b, o);
+    }
+}
+void kvwc_qtok_codes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, const float *zv,
+                          const float *den, int sym, unsigned b, uint8_t *out) {
+#define CD(DT, SYM) tok_codes_dt(rows, nr, rowb, D, DT, zv, den, SYM, b, out)
+    if (sym) {
+        if (dt == KVW_DTYPE_BF16) CD(KVW_DTYPE_BF16, 1);
+        else if (dt == KVW_DTYPE_F16) CD(KVW_DTYPE_F16, 1);
+        else CD(KVW_DTYPE_F32, 1);
+    } else {
+        if (dt == KVW_DTYPE_BF16) CD(KVW_DTYPE_BF16, 0);
+        else if (dt == KVW_DTYPE_F16) CD(KVW_DTYPE_F16, 0);
+        else CD(KVW_DTYPE_F32, 0);
+    }
+#undef CD
+}
+
 #else /* not x86-64 GCC: never selected (kvwc_qch_avx2_built) */
 int kvwc_qch_params_avx2(const iprm *q, size_t n, const float *mn, const float *mx, float *sv, float *zv,
                          float *den, uint8_t *params, uint64_t k) {
@@ -200,5 +276,14 @@ int kvwc_qch_extremes_avx2(const uint8_t *rows, size_t nr, size_t D, size_t G, u
 void kvwc_qch_codes_avx2(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned dt,
                          const float *zv, const float *den, int sym, unsigned b, uint8_t *out) {
     (void)rows, (void)nr, (void)D, (void)G, (void)dt, (void)zv, (void)den, (void)sym, (void)b, (void)out;
+}
+int kvwc_qtok_extremes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, float *mn,
+                            float *mx) {
+    (void)rows, (void)nr, (void)rowb, (void)D, (void)dt, (void)mn, (void)mx;
+    return 0;
+}
+void kvwc_qtok_codes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, const float *zv,
+                          const float *den, int sym, unsigned b, uint8_t *out) {
+    (void)rows, (void)nr, (void)rowb, (void)D, (void)dt, (void)zv, (void)den, (void)sym, (void)b, (void)out;
 }
 #endif

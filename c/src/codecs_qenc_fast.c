@@ -12,6 +12,7 @@
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_tq.h"
 #include "codecs_qenc_prm.h"
 #include "codecs_qenc_simd.h"
 
@@ -140,7 +141,7 @@ static void pack(const uint8_t *c, size_t n, unsigned b, uint8_t *out) {
 }
 
 INL int int_tokens(const iprm *q, const kvwc_geom *g, uint64_t G, const uint8_t *raw,
-                   uint8_t *params, uint8_t *codes, unsigned dt) {
+                   uint8_t *params, uint8_t *codes, unsigned dt, int vec) {
     uint64_t T = g->T, M = g->M, D = g->D, w = g->w, rowb = D * w;
     float mn[MAXD], mx[MAXD], sv[MAXD], zv[MAXD], den[MAXD];
     uint8_t cb[MAXD];
@@ -148,6 +149,15 @@ INL int int_tokens(const iprm *q, const kvwc_geom *g, uint64_t G, const uint8_t 
         for (uint64_t gi = 0; gi < g->gm; gi++) {
             uint64_t m0 = gi * G, n = M - m0 < G ? M - m0 : G;
             const uint8_t *p0 = raw + (hh * T + g->P + m0) * rowb;
+            if (vec) { /* the AVX2 kernels (codecs_qenc_avx2.c), the same three steps */
+                if (!kvwc_qtok_extremes_avx2(p0, (size_t)n, (size_t)rowb, (size_t)D, dt, mn, mx))
+                    return 0; /* NaN or infinity: LOSSY-6 on the careful path */
+                if (!kvwc_qch_params_avx2(q, (size_t)D, mn, mx, sv, zv, den, params, (hh * g->gm + gi) * D))
+                    return 0;
+                kvwc_qtok_codes_avx2(p0, (size_t)n, (size_t)rowb, (size_t)D, dt, zv, den, q->sym, q->b,
+                                     codes + (hh * M + m0) * D * q->b / 8);
+                continue;
+            }
             for (size_t d = 0; d < D; d++) mn[d] = mx[d] = ld(p0, d, dt);
             for (uint64_t r = 1; r < n; r++) {
                 const uint8_t *p = p0 + r * rowb;
@@ -284,12 +294,13 @@ INL int int_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *
     (void)h;
     int chan = s->group_axis != KVW_GROUP_TOKENS;
     int vec = chan && s->group_size % 8 == 0 && g->D % 8 == 0 && s->bits != 3 && use_avx2(); /* packs 8/4/2 */
-    for (uint64_t hh = 0; !vec && hh < g->H; hh++) /* LOSSY-6: the careful path says which element */
+    int vtok = !chan && g->D % 8 == 0 && use_avx2(); /* the extremes kernel checks finiteness */
+    for (uint64_t hh = 0; !vec && !vtok && hh < g->H; hh++) /* LOSSY-6: the careful path says which element */
         if (max_abs_bits(raw + (hh * g->T + g->P) * g->D * g->w, (size_t)(g->M * g->D), dt) >=
             inf_bits(dt))
             return 0;
     return chan ? int_channels(&q, g, s->group_size, raw, params, codes, dt, vec)
-                : int_tokens(&q, g, s->group_size, raw, params, codes, dt);
+                : int_tokens(&q, g, s->group_size, raw, params, codes, dt, vtok);
 }
 
 static int fp8_bf16(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
@@ -328,6 +339,8 @@ int kvwc_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom
         memcpy(body + hh * g->P * rowb, raw + hh * g->T * rowb, (size_t)(g->P * rowb));
         memcpy(resid + hh * g->Q * rowb, raw + (hh * g->T + g->P + g->M) * rowb, (size_t)(g->Q * rowb));
     }
+    if (rot && s->codebook == KVW_CODEBOOK_TURBOQUANT) /* revision 1.3: codecs_tq.c */
+        return kvwc_tq_qenc_fast(h, s, g, raw, body);
     if (rot) return kvwc_rot_qenc_fast(h, s, g, raw, body); /* revision 1.2: codecs_rot_enc.c */
     uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
     typedef int (*fast_fn)(const kvw_header *, const kvw_codec_spec *, const kvwc_geom *,

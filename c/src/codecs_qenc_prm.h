@@ -33,9 +33,19 @@ INL float from_f16(uint32_t h) {
     float big = kvwc_bits_f32(sign | (e == 0x1F ? 0x7F800000u : (e + 112u) << 23) | (m << 13));
     return e == 0 ? sub : big;
 }
+/* kvwc_nearest_bits / kvwc_bits_value for finite fp32 (all the group parameters see),
+ * without the branches for NaN and f16 subnormals: the same bits, and with dt a constant
+ * (row_params_sd) the loops over groups vectorise. */
+INL uint32_t near_bits(float v, unsigned dt) {
+    uint32_t u = kvwc_f32_bits(v);
+    return dt == KVW_DTYPE_F32 ? u : dt == KVW_DTYPE_F16 ? to_f16(v) : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+INL float bits_val(uint32_t b, unsigned dt) {
+    return dt == KVW_DTYPE_F32 ? kvwc_bits_f32(b) : dt == KVW_DTYPE_F16 ? from_f16(b) : kvwc_bits_f32(b << 16);
+}
 INL uint32_t round_up_f(float v, unsigned dt) {
-    uint32_t r = kvwc_nearest_bits(v, dt);
-    if (dt != KVW_DTYPE_F32 && kvwc_bits_value(r, dt) < v) r++;
+    uint32_t r = near_bits(v, dt);
+    if (dt != KVW_DTYPE_F32 && bits_val(r, dt) < v) r++;
     return r;
 }
 
@@ -50,11 +60,11 @@ INL int gparams(const iprm *q, unsigned sd, int sym, float a, float c, float *sv
     if (sym) {
         sb = round_up_f(amax / q->qmax, sd);
     } else {
-        zb = kvwc_nearest_bits(a, sd);
-        float z = kvwc_bits_value(zb, sd), fit = (c - z) / q->qmax;
+        zb = near_bits(a, sd);
+        float z = bits_val(zb, sd), fit = (c - z) / q->qmax;
         sb = round_up_f(fit > 0 ? fit : 0.0f, sd);
     }
-    *sv = kvwc_bits_value(sb, sd), *zv = kvwc_bits_value(zb, sd), *sbits = sb, *zbits = zb;
+    *sv = bits_val(sb, sd), *zv = bits_val(zb, sd), *sbits = sb, *zbits = zb;
     /* sv == 0 only for an asymmetric group with c <= z: every x - z <= 0 clamps to code 0,
      * as the careful path's y = 0 does; dividing by 1 keeps the lanes finite. */
     *den = *sv > 0 ? *sv : 1.0f;

@@ -29,4 +29,14 @@ int kvwc_qch_extremes_avx2(const uint8_t *rows, size_t nr, size_t D, size_t G, u
 void kvwc_qch_codes_avx2(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned dt,
                          const float *zv, const float *den, int sym, unsigned b, uint8_t *out);
 
+/* Groups along tokens (D a multiple of 8, rows rowb bytes apart): each channel's min and
+ * max over nr rows (int_tokens' compares: the later of equal values; 0 when an element is
+ * NaN or infinite), and
+ * the rows' packed codes (b = 2, 3, 4 or 8; D * b / 8 bytes a row at out) with each
+ * channel's zero and divisor, the arithmetic of kvwc_qch_codes_avx2. */
+int kvwc_qtok_extremes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, float *mn,
+                            float *mx);
+void kvwc_qtok_codes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, const float *zv,
+                          const float *den, int sym, unsigned b, uint8_t *out);
+
 #endif /* KVW_CODECS_QENC_SIMD_H */

@@ -11,6 +11,7 @@
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_tq.h"
 
 #include <stdlib.h>
 
@@ -138,7 +139,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
     if (rc) return rc;
     uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w, G = s->group_size;
     unsigned b = g->bits;
-    int rot = s->rotation == KVW_ROTATION_HADAMARD, tokens_axis = s->group_axis == KVW_GROUP_TOKENS;
+    int rot = s->rotation != KVW_ROTATION_NONE, tokens_axis = s->group_axis == KVW_GROUP_TOKENS;
     const float *zr = g->zeros ? sc + g->nparams : NULL;
     /* One row of scratch: fp32 values, scales, zeros, codes, sign masks, 16-bit results. */
     size_t Dn = (size_t)D;
@@ -160,10 +161,48 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
               : s->symmetric ? (float)c - (float)(1u << (b - 1)) : (float)c;
     uint64_t B = kvwc_rot_block(D);
     float cb = kvwc_rot_cb(B);
-    if (rot) kvwc_rot_signs(s->rotation_seed, D, mask);
+    if (rot) kvwc_rot_mask(s, D, mask); /* sylvester (1.3, codecs_tq.c): every sign + */
     int avx2 = D % 8 == 0 && use_avx2(); /* whole registers per row */
+    /* The fused AVX2 row (codes straight to levels, scales read in place): codes of 2..4 bits,
+     * scales per channel (tokens axis) or per register (channel groups of a multiple of 8). */
+    uint16_t *grp = NULL;
+    kvwc_rot_drow q = {b, lv, NULL, rot ? mask : NULL, cb, D};
+    int fused = avx2 && b >= 2 && b <= 4 && (tokens_axis || G % 8 == 0);
+    if (fused && !tokens_axis) {
+        grp = (uint16_t *)malloc((Dn / 8) * sizeof(uint16_t) + 2);
+        if (!grp) fused = 0;
+        for (size_t k = 0; grp && k < Dn / 8; k++) grp[k] = (uint16_t)((8 * k) / G);
+        q.grp = grp;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    int whole = fused && h->dtype == KVW_DTYPE_BF16 && kvwc_rot_dec_bf16_fits(D);
+#else
+    int whole = 0;
+#endif
     for (uint64_t hh = 0; hh < H; hh++)
         for (uint64_t m = 0; m < M; m++) {
+            if (fused) {
+                uint64_t k = tokens_axis ? (hh * g->gm + m / G) * D : (hh * M + m) * g->gd;
+                const uint8_t *cr = codes + (hh * M + m) * D * b / 8;
+                uint8_t *dst = out + ((hh * T + g->P + m) * D) * w;
+                if (whole) {
+                    kvwc_rot_dec_bf16_avx2(&q, cr, sc + k, zr ? zr + k : NULL, dst);
+                    continue;
+                }
+                kvwc_rot_dequant_codes_avx2(&q, cr, sc + k, zr ? zr + k : NULL, x);
+                if (rot) kvwc_rot_row(x, D, B, cb, mask);
+                if (h->dtype == KVW_DTYPE_BF16) {
+                    kvwc_rot_to_bf16_avx2(x, t16, D);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                    memcpy(dst, t16, Dn * 2);
+#else
+                    for (size_t i = 0; i < Dn; i++) kvw_st16(dst + 2 * i, t16[i]);
+#endif
+                } else {
+                    store_row(dst, x, Dn, h->dtype, t16);
+                }
+                continue;
+            }
             /* The row's scales: tokens axis group (h, m / G, d), channels axis (h, m, d / G). */
             if (tokens_axis) {
                 uint64_t k = (hh * g->gm + m / G) * D;
@@ -200,6 +239,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
                 store_row(dst, x, Dn, h->dtype, t16);
             }
         }
+    free(grp);
     free(scratch);
     free(sc);
     return KVW_OK;

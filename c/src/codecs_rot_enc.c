@@ -8,10 +8,15 @@
  * bytes a reader produces, so the writer checks it on exactly those bytes (the decoder of
  * codecs_rot.c) and refuses the chunk (KVW_ERR_UNSUPPORTED: stored losslessly) when a
  * finite element decodes to a non-finite value or a nonzero row (group, unrotated) to zeros.
+ * The fast path (kvwc_rot_qenc_fast, issue #18) never needs that decode: inside the band the
+ * rule holds by construction, and outside it the careful path encodes and checks. With AVX2
+ * it loads, bounds and rotates a row in one pass (codecs_rot_avx2.c), and the gaussian
+ * codebook over channel groups works on eight rows at a time while they sit in L1.
  */
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
 #include "codecs_impl.h"
+#include "codecs_tq.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -20,11 +25,21 @@
 
 static int fin(float f) { return (kvwc_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
+/* The AVX2 kernels of codecs_rot_avx2.c: built and the CPU has AVX2 (as codecs_rot.c). */
+static int use_avx2(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    return kvwc_rot_avx2_built() && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
 /* The forward rotation of every row of x ([rows, D]): signs, butterflies, then c_B. */
-static void rotate_rows(float *x, uint64_t rows, uint64_t D, uint64_t seed, uint32_t *mask) {
+static void rotate_rows(float *x, uint64_t rows, uint64_t D, const kvw_codec_spec *s,
+                        uint32_t *mask) {
     uint64_t B = kvwc_rot_block(D);
     float cb = kvwc_rot_cb(B);
-    kvwc_rot_signs(seed, D, mask);
+    kvwc_rot_mask(s, D, mask); /* sylvester (1.3, codecs_tq.c): every sign + */
     for (uint64_t r = 0; r < rows; r++) {
         float *y = x + r * D;
         for (uint64_t d = 0; d < D; d++) y[d] = kvwc_bits_f32(kvwc_f32_bits(y[d]) ^ mask[d]);
@@ -79,8 +94,12 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
         free(acc), free(flag);
         return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "int_affine: %llu groups", (unsigned long long)np);
     }
-    for (uint64_t hh = 0; hh < H; hh++)
-        for (uint64_t m = 0; m < M; m++) {
+    int avx2 = D % 8 == 0 && use_avx2();
+    uint64_t r8 = !tok && G % 8 == 0 && avx2 ? (H * M) / 8 * 8 : 0; /* rows by eights: lanes per row */
+    for (uint64_t r = 0; r < r8; r += 8)
+        kvwc_rot_sumsq8_avx2(x + r * D, D, G, acc + r * g->gd, flag + r * g->gd);
+    for (uint64_t hh = r8 / M; hh < H; hh++)
+        for (uint64_t m = hh == r8 / M ? r8 % M : 0; m < M; m++) {
             const float *xr = x + (hh * M + m) * D;
             if (tok) {
                 float *ar = acc + (hh * g->gm + m / G) * D;
@@ -124,14 +143,24 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
     uint8_t *top = flag + np;
     uint8_t *u = (uint8_t *)malloc(2 * (size_t)D + 8), *jj = u + D;
     float *sv = (float *)malloc((size_t)D * sizeof(float) + 4);
-    if (!u || !sv) {
-        free(acc), free(flag), free(u), free(sv);
+    /* AVX2 codes of rotated rows (no group maxima needed): scales per channel or per
+     * register (grp), fresh bytes per row (D * b a multiple of 8) */
+    int vcodes = avx2 && s->rotation != KVW_ROTATION_NONE && (tok || G % 8 == 0);
+    uint16_t *grp = (uint16_t *)malloc((size_t)D / 8 * sizeof(uint16_t) + 2);
+    if (!u || !sv || !grp) {
+        free(acc), free(flag), free(u), free(sv), free(grp);
         return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "int_affine: rows of %llu", (unsigned long long)D);
     }
+    for (uint64_t k = 0; k < D / 8; k++) grp[k] = (uint16_t)(8 * k / G);
     for (uint64_t hh = 0; hh < H; hh++)
         for (uint64_t m = 0; m < M; m++) {
             const float *xr = x + (hh * M + m) * D;
             uint64_t k0 = tok ? (hh * g->gm + m / G) * D : (hh * M + m) * g->gd;
+            if (vcodes) {
+                kvwc_rot_gauss_codes_avx2(xr, sf + k0, tok ? NULL : grp, D, b, mid,
+                                          codes + (hh * M + m) * D * b / 8);
+                continue;
+            }
             if (tok) memcpy(sv, sf + k0, (size_t)D * sizeof(float));
             else
                 for (uint64_t c = 0, d0 = 0; d0 < D; c++, d0 += G)
@@ -160,7 +189,7 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
                         (h->dtype == KVW_DTYPE_F32 ? 0x7FFFFFFFu : 0x7FFFu)) == 0)
             rc = REFUSE("KVW-LOSSY-5", "int_affine gaussian group %llu with nonzero input "
                         "would decode to zeros", (unsigned long long)k);
-    free(acc), free(flag), free(u), free(sv);
+    free(acc), free(flag), free(u), free(sv), free(grp);
     return rc;
 }
 
@@ -204,15 +233,27 @@ static const double LARGEST[3] = {0x1.fep127, 65504.0, FLT_MAX};
 /* Every nonzero row's largest magnitude inside rotation.band: ROT-7 then holds by
  * construction (section 8.4). lo compares in binary64, hi as its nearest binary32, as
  * numpy compares the reference's fp32 row maxima with them. */
-static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                        const float *x) {
+static void band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g, double *lo, float *hi) {
     unsigned sd = s->scale_dtype, dt = h->dtype;
     uint64_t D = g->D;
     double small = SMALLEST[sd] > SMALLEST[dt] ? SMALLEST[sd] : SMALLEST[dt];
     if (small < 0x1p-126) small = 0x1p-126;
-    double lo = 1024.0 * sqrt((double)D) * small, big = LARGEST[sd] < LARGEST[dt] ? LARGEST[sd] : LARGEST[dt];
+    double big = LARGEST[sd] < LARGEST[dt] ? LARGEST[sd] : LARGEST[dt];
     double r2 = pow((double)FLT_MAX, 0.5);
-    float hi = (float)((big < r2 ? big : r2) / (double)(4 * D));
+    *lo = 1024.0 * sqrt((double)D) * small;
+    *hi = (float)((big < r2 ? big : r2) / (double)(4 * D));
+}
+/* a: a row's largest magnitude as fp32 bits (finite). */
+static int in_band(uint32_t a, double lo, float hi) {
+    float af = kvwc_bits_f32(a);
+    return a == 0 || ((double)af >= lo && af <= hi);
+}
+static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                        const float *x) {
+    double lo;
+    float hi;
+    band(h, s, g, &lo, &hi);
+    uint64_t D = g->D;
     for (uint64_t r = 0; r < g->H * g->M; r++) { /* x is finite: magnitudes as bits */
         uint32_t a = 0;
         const float *xr = x + r * D;
@@ -220,8 +261,7 @@ static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc
             uint32_t v = kvwc_f32_bits(xr[d]) & 0x7FFFFFFFu;
             a = v > a ? v : a;
         }
-        float af = kvwc_bits_f32(a);
-        if (a != 0 && !((double)af >= lo && af <= hi)) return 0;
+        if (!in_band(a, lo, hi)) return 0;
     }
     return 1;
 }
@@ -230,7 +270,7 @@ kvw_code kvwc_rot_encode(const kvw_header *h, const kvw_codec_spec *s, const kvw
                          float *x, uint8_t *body, kvw_error *err) {
     uint64_t n = g->H * g->M * g->D;
     uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
-    int rot = s->rotation == KVW_ROTATION_HADAMARD;
+    int rot = s->rotation != KVW_ROTATION_NONE;
     int gauss = s->codebook == KVW_CODEBOOK_GAUSSIAN, check = (rot || gauss) && !rows_in_band(h, s, g, x);
     /* The input (for the check; gaussian: it may turn out needed) and the sign masks. */
     int keep = check || gauss;
@@ -239,7 +279,7 @@ kvw_code kvwc_rot_encode(const kvw_header *h, const kvw_codec_spec *s, const kvw
                              (unsigned long long)n);
     uint32_t *mask = (uint32_t *)(void *)(x0 + (keep ? n : 0));
     if (keep) memcpy(x0, x, (size_t)n * sizeof(float));
-    if (rot) rotate_rows(x, g->H * g->M, g->D, s->rotation_seed, mask);
+    if (rot) rotate_rows(x, g->H * g->M, g->D, s, mask);
     kvw_code rc = gauss ? encode_gauss(h, s, g, x, params, codes, &check, err)
                         : kvwc_encode_int(h, s, g, x, params, codes, err);
     if (!rc && check) rc = check_decoded(h, s, g, x0, body, err);
@@ -272,20 +312,105 @@ static int load_row(const uint8_t *p, uint64_t D, unsigned dt, float *y) {
     return !bad;
 }
 
+/* encode_gauss for groups along channels (G % 8 == 0, D % 8 == 0) straight from the raw
+ * rows, eight at a time while they sit in L1: the fused load and rotation, then the group
+ * sums (a lane per row), scales and codes, the same values as the passes over the chunk.
+ * 0 (the careful path encodes the chunk) on whatever makes the fast path give up there: a
+ * non-finite element, a row outside the band, a suspect group or a scale beyond its dtype. */
+static int gauss_channels_fused(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                                const uint8_t *raw, uint8_t *params, uint8_t *codes,
+                                const uint32_t *mask, double lo, float hi) {
+    unsigned b = s->bits, sd = s->scale_dtype, half = 1u << (b - 1);
+    uint64_t M = g->M, D = g->D, G = s->group_size, gd = g->gd, R = g->H * M, rowb = D * g->w;
+    uint64_t B = kvwc_rot_block(D);
+    float cb = kvwc_rot_cb(B), lv[16], mid[8] = {0};
+    kvwc_codebook_levels(b, lv);
+    for (unsigned j = 0; j + 1 < half; j++) mid[j] = (lv[half + j] + lv[half + j + 1]) / 2.0f;
+    for (unsigned j = half - 1; j < 8; j++) mid[j] = INFINITY;
+    float *y = (float *)malloc((size_t)(8 * D + 16 * gd) * sizeof(float) + 8 * (size_t)gd + D / 4 + 8);
+    if (!y) return 0;
+    float *acc = y + 8 * D, *sf = acc + 8 * gd;
+    uint8_t *live = (uint8_t *)(sf + 8 * gd);
+    uint16_t *grp = (uint16_t *)(void *)(live + 8 * gd + ((8 * gd) & 1));
+    for (uint64_t k = 0; k < D / 8; k++) grp[k] = (uint16_t)(8 * k / G);
+    int ok = 1;
+    for (uint64_t r0 = 0; ok && r0 < R; r0 += 8) {
+        uint64_t nr = R - r0 < 8 ? R - r0 : 8;
+        for (uint64_t i = 0; ok && i < nr; i++) {
+            uint64_t r = r0 + i;
+            uint32_t a;
+            kvwc_rot_enc_row_avx2(raw + ((r / M) * g->T + g->P + r % M) * rowb, h->dtype, D, B, cb, mask,
+                                  y + i * D, &a);
+            ok = a < 0x7F800000u && in_band(a, lo, hi);
+        }
+        if (!ok) break;
+        if (nr == 8) {
+            kvwc_rot_sumsq8_avx2(y, D, G, acc, live);
+        } else {
+            for (uint64_t i = 0; i < nr; i++)
+                for (uint64_t c = 0, d0 = 0; d0 < D; c++, d0 += G) {
+                    uint64_t d1 = D - d0 < G ? D : d0 + G;
+                    float a = 0.0f;
+                    uint8_t lf = 0;
+                    for (uint64_t d = d0; d < d1; d++) {
+                        float sq = y[i * D + d] * y[i * D + d];
+                        a = a + sq;
+                        lf |= y[i * D + d] != 0.0f;
+                    }
+                    acc[i * gd + c] = a, live[i * gd + c] = lf;
+                }
+        }
+        for (uint64_t j = 0; ok && j < nr * gd; j++) { /* encode_gauss's scales, group by group */
+            uint64_t c = j % gd, n = (c + 1) * G > D ? D - c * G : G, k = r0 * gd + j;
+            if (live[j] && !(acc[j] >= 0x1p-126f)) ok = 0; /* suspect: the careful path checks it */
+            uint32_t sb = kvwc_nearest_bits(sqrtf(acc[j] / (float)n), sd);
+            sf[j] = kvwc_bits_value(sb, sd);
+            ok = ok && fin(sf[j]);
+            if (g->psize == 4) kvw_st32(params + 4 * k, sb); else kvw_st16(params + 2 * k, (uint16_t)sb);
+        }
+        for (uint64_t i = 0; ok && i < nr; i++)
+            kvwc_rot_gauss_codes_avx2(y + i * D, sf + i * gd, grp, D, b, mid, codes + (r0 + i) * D * b / 8);
+    }
+    free(y);
+    return ok;
+}
+
 int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                        const uint8_t *raw, uint8_t *body) {
     uint64_t H = g->H, M = g->M, D = g->D, n = H * M * D, rowb = D * g->w;
     uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
-    int rot = s->rotation == KVW_ROTATION_HADAMARD, gauss = s->codebook == KVW_CODEBOOK_GAUSSIAN;
+    int rot = s->rotation != KVW_ROTATION_NONE, gauss = s->codebook == KVW_CODEBOOK_GAUSSIAN;
     float *x = (float *)malloc((size_t)n * sizeof(float) + (size_t)D * 4);
     if (!x) return 0;
     uint32_t *mask = (uint32_t *)(void *)(x + n);
     int ok = 1, suspect = 0;
-    for (uint64_t r = 0; ok && r < H * M; r++) /* the quantized rows, in fp32 */
-        ok = load_row(raw + ((r / M) * g->T + g->P + r % M) * rowb, D, h->dtype, x + r * D);
-    /* Outside the band the careful path decodes and checks the chunk (KVW-ROT-7). */
-    ok = ok && (!(rot || gauss) || rows_in_band(h, s, g, x));
-    if (ok && rot) rotate_rows(x, H * M, D, s->rotation_seed, mask);
+    if (D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && use_avx2()) {
+        /* One pass a row: load, largest magnitude (finite, band), rotation; the same
+         * refusals as below (either returns 0 for the careful path). */
+        uint64_t B = kvwc_rot_block(D);
+        float cb = kvwc_rot_cb(B), hi = 0;
+        double lo = 0;
+        if (rot) kvwc_rot_mask(s, D, mask); /* sylvester: every sign + */
+        if (rot || gauss) band(h, s, g, &lo, &hi);
+        if (rot && gauss && s->group_axis != KVW_GROUP_TOKENS && s->group_size % 8 == 0) {
+            memset(params, 0, (size_t)(g->param_bytes + g->code_bytes)); /* any padding */
+            ok = gauss_channels_fused(h, s, g, raw, params, codes, mask, lo, hi);
+            free(x);
+            return ok;
+        }
+        for (uint64_t r = 0; ok && r < H * M; r++) {
+            uint32_t a;
+            kvwc_rot_enc_row_avx2(raw + ((r / M) * g->T + g->P + r % M) * rowb, h->dtype, D, B, cb,
+                                  rot ? mask : NULL, x + r * D, &a);
+            ok = a < 0x7F800000u && (!(rot || gauss) || in_band(a, lo, hi));
+        }
+    } else {
+        for (uint64_t r = 0; ok && r < H * M; r++) /* the quantized rows, in fp32 */
+            ok = load_row(raw + ((r / M) * g->T + g->P + r % M) * rowb, D, h->dtype, x + r * D);
+        /* Outside the band the careful path decodes and checks the chunk (KVW-ROT-7). */
+        ok = ok && (!(rot || gauss) || rows_in_band(h, s, g, x));
+        if (ok && rot) rotate_rows(x, H * M, D, s, mask);
+    }
     if (ok && gauss) {
         memset(params, 0, (size_t)(g->param_bytes + g->code_bytes)); /* codes are or-ed in */
         ok = encode_gauss(h, s, g, x, params, codes, &suspect, NULL) == KVW_OK && !suspect;

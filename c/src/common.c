@@ -149,8 +149,8 @@ NAME_TABLE(kvw_rope_type_name, "none", "default", "linear", "dynamic", "yarn", "
 NAME_TABLE(kvw_map_op_name, "copy", "alias", "recompute", "drop")
 NAME_TABLE(kvw_scale_granularity_name, "tensor", "head", "token")
 NAME_TABLE(kvw_group_axis_name, "tokens", "channels")
-NAME_TABLE(kvw_rotation_name, "none", "hadamard")
-NAME_TABLE(kvw_codebook_name, "uniform", "gaussian")
+NAME_TABLE(kvw_rotation_name, "none", "hadamard", "sylvester") /* 2: revision 1.3 */
+NAME_TABLE(kvw_codebook_name, "uniform", "gaussian", "turboquant")
 
 unsigned kvw_dtype_size(int code) {
     static const unsigned sizes[KVW_DTYPE_COUNT] = {2, 2, 4, 1, 1, 1, 1, 1};
@@ -245,4 +245,8 @@ void kvw_codec_spec_init(kvw_codec_spec *c) {
 
 int kvw_codec_spec_uses_rotation(const kvw_codec_spec *c) {
     return c->rotation != KVW_ROTATION_NONE || c->codebook != KVW_CODEBOOK_UNIFORM || c->bits == 3;
+}
+
+int kvw_codec_spec_uses_turboquant(const kvw_codec_spec *c) {
+    return c->rotation == KVW_ROTATION_SYLVESTER || c->codebook == KVW_CODEBOOK_TURBOQUANT;
 }

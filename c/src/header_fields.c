@@ -214,11 +214,14 @@ kvw_code kvw_hd_codec_specs(hdec *d, const kvw_fbt *root) {
             return c;
         /* Fields 11-13 (revision 1.2) only with required bit 4: without it they are unknown
          * fields a reader does not read (KVW-ROT-1), like kv_scales without bit 3. */
+        /* Code 2 of both (revision 1.3) is registered by required bit 5: out of range
+         * without it (KVW-TQ-1, KVW-EVOL-9). */
+        unsigned n2 = (d->h->required_features & KVW_FEATURE_TURBOQUANT) ? 3 : 2;
         if ((d->h->required_features & KVW_FEATURE_ROTATION) &&
-            ((c = kvw_fbt_enum(&t, 11, KVW_ROTATION_NONE, 2, &s->rotation, "CodecSpec.rotation",
+            ((c = kvw_fbt_enum(&t, 11, KVW_ROTATION_NONE, n2, &s->rotation, "CodecSpec.rotation",
                                e)) ||
              (c = kvw_fbt_u64(&t, 12, 0, &s->rotation_seed, e)) ||
-             (c = kvw_fbt_enum(&t, 13, KVW_CODEBOOK_UNIFORM, 2, &s->codebook,
+             (c = kvw_fbt_enum(&t, 13, KVW_CODEBOOK_UNIFORM, n2, &s->codebook,
                                "CodecSpec.codebook", e))))
             return c;
     }

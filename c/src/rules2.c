@@ -2,8 +2,8 @@
  * Header rules of spec/kvwire-v1.md 14.1 step 3, second part (split from rules.c to keep
  * both files short): the prefix chain (crossmodel.md PREFIX-1..5, with the SHA-256 of
  * the model root), fingerprints (ID-10), metadata keys (META-1), codec specs (codecs.md
- * CSPEC-10, EVOL-3, CSPEC-3..6, FP8-1, INT-1, INT-2, ROT-1/2) and kv scales (revision 1.1,
- * SCALE-1..5). Called by kvw_header_rules in this order.
+ * CSPEC-10, EVOL-3, CSPEC-3..6, FP8-1, INT-1, INT-2, ROT-1/2, TQ-1/2) and kv scales
+ * (revision 1.1, SCALE-1..5). Called by kvw_header_rules in this order.
  */
 #include "internal.h"
 
@@ -237,6 +237,13 @@ static kvw_code cspec_invalid(kvw_error *err, uint32_t i, const char *rule, cons
 /* One spec, in the order CSPEC-3, CSPEC-4, CSPEC-5, CSPEC-6, FP8-1, INT-1, INT-2. */
 static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, uint32_t i,
                                  kvw_error *err) {
+    /* Code 2 of rotation / codebook is registered by bit 5 (KVW-TQ-1, EVOL-9): a parsed
+     * header never has it without the bit; a header built in memory may. */
+    if ((h->required_features & KVW_FEATURE_ROTATION) &&
+        !(h->required_features & KVW_FEATURE_TURBOQUANT) && kvw_codec_spec_uses_turboquant(s))
+        return kvw_fail(err, KVW_ENUM_OUT_OF_RANGE, "KVW-TQ-1", "codec_specs[%u]: rotation %u / "
+                        "codebook %u need required feature bit 5 (turboquant)", (unsigned)i,
+                        (unsigned)s->rotation, (unsigned)s->codebook);
     if (s->codec != KVW_CODEC_BYTEPLANE_ZSTD && s->codec != KVW_CODEC_FP8 &&
         s->codec != KVW_CODEC_INT_AFFINE)
         return cspec_invalid(err, i, "KVW-CSPEC-3",
@@ -303,13 +310,25 @@ static kvw_code check_codec_spec(const kvw_header *h, const kvw_codec_spec *s, u
                             "codec_specs[%u]: the gaussian codebook needs symmetric = true and "
                             "bits 2, 3 or 4 (symmetric %u, bits %u)",
                             (unsigned)i, (unsigned)s->symmetric, (unsigned)s->bits);
+        /* KVW-TQ-2 (revision 1.3; codes 2 only with bit 5) */
+        if (s->rotation == KVW_ROTATION_SYLVESTER && s->rotation_seed != 0)
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-TQ-2",
+                            "codec_specs[%u]: rotation_seed %llu with the unsigned rotation (must "
+                            "be 0)", (unsigned)i, (unsigned long long)s->rotation_seed);
+        if (s->codebook == KVW_CODEBOOK_TURBOQUANT &&
+            (!s->symmetric || s->group_axis != KVW_GROUP_CHANNELS || (s->bits != 3 && s->bits != 4)))
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-TQ-2", "codec_specs[%u]: the "
+                            "turboquant codebook needs symmetric, group_axis channels, bits 3 or "
+                            "4 (has %u, %u, %u)", (unsigned)i, (unsigned)s->symmetric,
+                            (unsigned)s->group_axis, (unsigned)s->bits);
     }
     return KVW_OK;
 }
 
 kvw_code kvw_rules_codec_specs(const kvw_header *h, kvw_error *err) {
     int bit = (h->required_features & KVW_FEATURE_CODEC_SPECS) != 0;
-    int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0, used = 0;
+    int rot = (h->required_features & KVW_FEATURE_ROTATION) != 0, used = 0, used_tq = 0;
+    int tq = (h->required_features & KVW_FEATURE_TURBOQUANT) != 0;
     if (h->codec_spec_count == 0) {
         if (bit)
             return kvw_fail(err, KVW_UNSUPPORTED_FEATURE, "KVW-EVOL-3",
@@ -318,6 +337,9 @@ kvw_code kvw_rules_codec_specs(const kvw_header *h, kvw_error *err) {
         if (rot)
             return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-1",
                             "required feature bit 4 (rotation) without codec specs");
+        if (tq)
+            return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-TQ-1",
+                            "required feature bit 5 (turboquant) without codec specs");
         return KVW_OK;
     }
     /* From here the codec_specs bit is set, so the codec codes it registers (2-4) are in
@@ -333,11 +355,15 @@ kvw_code kvw_rules_codec_specs(const kvw_header *h, kvw_error *err) {
         kvw_code rc = check_codec_spec(h, &h->codec_specs[i], i, err);
         if (rc != KVW_OK) return rc;
         used |= kvw_codec_spec_uses_rotation(&h->codec_specs[i]);
+        used_tq |= kvw_codec_spec_uses_turboquant(&h->codec_specs[i]);
     }
     if (rot && !used) /* KVW-ROT-1, after every spec's rules */
         return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-ROT-1",
                         "required feature bit 4 (rotation) is set but no codec spec has "
                         "rotation hadamard, codebook gaussian or bits 3");
+    if (tq && !(rot && used_tq)) /* KVW-TQ-1, after KVW-ROT-1 */
+        return kvw_fail(err, KVW_CODEC_SPEC_INVALID, "KVW-TQ-1", "required feature bit 5 "
+                        "(turboquant) without bit 4 or without a spec using its codes");
     return KVW_OK;
 }
 

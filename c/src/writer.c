@@ -90,17 +90,20 @@ kvw_code kvw_writer_new(const kvw_header *hin, const kvw_writer_options *opt, kv
     h.producer_version = (kvw_bytes){(const uint8_t *)KVW_VERSION_STRING, (uint32_t)strlen(KVW_VERSION_STRING)};
     uint64_t rf = h.required_features & ~(KVW_FEATURE_CODEC_SPECS | KVW_FEATURE_SPARSE |
                                           KVW_FEATURE_STATE_LAYERS | KVW_FEATURE_KV_SCALES |
-                                          KVW_FEATURE_ROTATION);
+                                          KVW_FEATURE_ROTATION | KVW_FEATURE_TURBOQUANT);
     if (h.codec_specs && h.codec_spec_count) rf |= KVW_FEATURE_CODEC_SPECS; /* CSPEC-10 */
     else h.codec_spec_count = 0;
     for (uint32_t i = 0; i < h.codec_spec_count; i++)
         if (kvw_codec_spec_uses_rotation(&h.codec_specs[i])) rf |= KVW_FEATURE_ROTATION; /* ROT-1 */
+    for (uint32_t i = 0; i < h.codec_spec_count; i++) /* TQ-1: bit 5 with bit 4 */
+        if (kvw_codec_spec_uses_turboquant(&h.codec_specs[i])) rf |= KVW_FEATURE_TURBOQUANT;
     if (h.has_sparse) rf |= KVW_FEATURE_SPARSE;                             /* SPARSE-1 */
     for (uint32_t i = 0; h.arch.layer_specs && i < h.arch.layer_spec_count; i++)
         if (h.arch.layer_specs[i].kind == KVW_KIND_STATE) rf |= KVW_FEATURE_STATE_LAYERS; /* STATE-1 */
     if (h.has_kv_scales) rf |= KVW_FEATURE_KV_SCALES;                       /* SCALE-1 */
     h.required_features = rf;
-    h.format_minor = (rf & KVW_FEATURE_ROTATION) ? 2 : (rf & KVW_FEATURE_KV_SCALES) ? 1 : 0; /* EVOL-12 */
+    h.format_minor = (rf & KVW_FEATURE_TURBOQUANT) ? 3 : (rf & KVW_FEATURE_ROTATION) ? 2
+                   : (rf & KVW_FEATURE_KV_SCALES) ? 1 : 0; /* EVOL-12 */
 
     kvw_code c = kvw_writer_only_rules(&h, err);
     if (c) return c;

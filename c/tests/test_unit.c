@@ -9,6 +9,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* getpid, unlink: the file-sink test */
 #include "codecs_impl.h" /* internal.h, and the rotation pieces (test_rotation) */
+#include "codecs_tq.h"   /* revision 1.3 (test_rotation) */
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -1095,7 +1096,33 @@ static void test_rotation(tstate *t) {
               "rotation: fields 11-13 round trip (%s)", kvw_code_name(rc));
         kvw_header_free(&back);
         free(fb);
+        /* Revision 1.3: code 2 of both is in range with bit 5 (KVW-TQ-1), and round trips. */
+        cs.bits = 4, cs.symmetric = 1, cs.group_axis = KVW_GROUP_CHANNELS, cs.group_size = 65536;
+        cs.rotation = KVW_ROTATION_SYLVESTER, cs.rotation_seed = 0, cs.codebook = KVW_CODEBOOK_TURBOQUANT;
+        h.required_features |= KVW_FEATURE_TURBOQUANT, h.format_minor = 3;
+        kvw_header_init(&back);
+        fb = NULL;
+        rc = kvw_header_encode(&h, &fb, &n, &e);
+        if (!rc) rc = kvw_header_parse(fb, n, &back, &e);
+        CHECK(t, rc == KVW_OK && back.codec_spec_count == 1 && back.codec_specs[0].rotation == 2 &&
+                 back.codec_specs[0].codebook == 2 && kvw_codec_spec_uses_turboquant(&back.codec_specs[0]),
+              "turboquant: fields 11-13 round trip with bit 5 (%s)", kvw_code_name(rc));
+        kvw_header_free(&back);
+        free(fb);
     }
+    /* KVW-TQ-4's table (odd log2(D): D = 128's row) and the unsigned rotation's masks. */
+    float tq_lv[16];
+    uint32_t mask[8] = {1, 1, 1, 1, 1, 1, 1, 1}, any = 0;
+    kvwc_tq_levels(3, 128, tq_lv);
+    CHECK(t, kvwc_f32_bits(tq_lv[4]) == 0x3CB16317u && kvwc_f32_bits(tq_lv[3]) == 0xBCB16317u &&
+             kvwc_f32_bits(tq_lv[7]) == 0x3E42A09Fu, "turboquant: the 3-bit levels of D = 128");
+    kvwc_tq_levels(4, 64, tq_lv);
+    CHECK(t, kvwc_f32_bits(tq_lv[15]) == 0x3EAEC76Eu && kvwc_f32_bits(tq_lv[0]) == 0xBEAEC76Eu,
+          "turboquant: the 4-bit levels of D = 64");
+    cs.rotation = KVW_ROTATION_SYLVESTER;
+    kvwc_rot_mask(&cs, 8, mask);
+    for (int d = 0; d < 8; d++) any |= mask[d];
+    CHECK(t, any == 0, "turboquant: the sylvester rotation has every sign +1");
 }
 
 int main(int argc, char **argv) {

@@ -222,8 +222,8 @@ int neutral_header_from_json(const jv *d, kvw_header *h, neutral_arena *a, char 
             GET_UINT(c, o, "sink_tokens", UINT32_MAX, cs[i].sink_tokens);
             GET_UINT(c, o, "residual_tokens", UINT32_MAX, cs[i].residual_tokens);
             /* revision 1.2 (spec/codecs.md 8.1): the writer sets bit 4 when one is used */
-            if (kvw_nj_get_enum(c, o, "rotation", kvw_rotation_name, 2, &cs[i].rotation) ||
-                kvw_nj_get_enum(c, o, "codebook", kvw_codebook_name, 2, &cs[i].codebook) ||
+            if (kvw_nj_get_enum(c, o, "rotation", kvw_rotation_name, 3, &cs[i].rotation) ||
+                kvw_nj_get_enum(c, o, "codebook", kvw_codebook_name, 3, &cs[i].codebook) ||
                 kvw_nj_get_u64(c, o, "rotation_seed", UINT64_MAX, &cs[i].rotation_seed))
                 return kvw_nj_fail(c, "codec_specs");
         }

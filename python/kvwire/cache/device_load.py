@@ -82,10 +82,14 @@ def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | N
 
 def lossy_body(reader, j: int, c, stored):
     """(spec, layout, checked lossy body on the host) for a fp8 / int_affine record, else
-    None: the lossless stage runs here, the parameter checks too (a few bytes, no sync)."""
+    None: the lossless stage runs here, the parameter checks too (a few bytes, no sync).
+    Rotated, codebook and 3-bit specs (revisions 1.2 and 1.3) have no device kernel yet: None,
+    so they are decoded on the host and cross decoded."""
     h = reader.header
     k = int(reader.records["reserved0"][j]) if h.codec_specs else 0
     if not k or h.codec_specs[k - 1].codec not in ("fp8", "int_affine"):
+        return None
+    if h.codec_specs[k - 1].needs_rotation_bit:  # revisions 1.2/1.3 (rotations, codebooks, 3 bits): host decode
         return None
     spec = h.codec_specs[k - 1]
     head = int(reader.records["head_start"][j]) if h.sparse is not None else 0

@@ -107,6 +107,31 @@ class Encoder:
 
         return self._emit(layer, component, token_start, n, 0, x.shape[0], body_pieces(as_uint(x)), x=x)
 
+    def encoded_chunk(self, layer: int, component: str, token_start: int, body, token_count: int) -> list:
+        """Buffers of one dense chunk of ``token_count`` tokens given as its lossy body in the
+        codec spec this encoder's codec choice picks for it: an engine's quantized cache (vLLM's
+        turboquant slots, ``kvwire.integrations.vllm_quantized``) carried without
+        re-quantizing. The body is checked as readers check it (``ValueError`` otherwise)."""
+        self._expect("chunks", "encoded_chunk")
+        h = self.header
+        if h.sparse is not None or not 0 <= layer < h.num_layers:
+            raise ValueError(f"layer {layer}: encoded chunks are dense chunks of a layer in [0, {h.num_layers})")
+        spec, r = h.arch.layers[layer], h.layer_tokens[layer]
+        if component not in spec.components or component == "state":
+            raise ValueError(f"layer {layer} ({spec.kind}) has no {component!r} component of K/V chunks")
+        if not on_grid(token_start, token_count, h.chunk_tokens, r.start, r.stop):
+            raise ValueError(f"tokens [{token_start}, {token_start + token_count}) are not one chunk of layer "
+                             f"{layer}'s grid")
+        slot = self._table.slot(layer, R.COMPONENTS[component], token_start, h.chunk_tokens)
+        if self._filled[slot]:
+            raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
+        shape = spec.shape(component, token_count)
+        codec, codec_spec, stored = self._plan.carried(layer, component, token_start, shape, body)
+        self._filled[slot] = True
+        raw_length = shape[0] * shape[1] * shape[2] * R.DTYPES[h.dtype][1]
+        return self._frame(layer, component, token_start, token_count, 0, shape[0], codec, codec_spec, stored,
+                           raw_length, None)
+
     def state_chunk(self, layer: int, index: int, data) -> list:
         """Buffers of state tensor ``index`` of state layer ``layer`` (spec/crossmodel.md, KVW-STATE-7)."""
         self._expect("chunks", "state_chunk")
@@ -176,8 +201,15 @@ class Encoder:
             stored = bodies.encode(pieces)
             if len(stored[0]) >= raw_length:  # incompressible: store raw (KVW-CHUNK-6)
                 codec, stored = "raw", pieces
-        # raw pieces that are x's heads: hashed in place by libkvwire when native is on
-        checksum = native.hash_runs(x) if stored is pieces and x is not None and len(pieces) > 1 else None
+        return self._frame(layer, component, token_start, n, head_start, head_count, codec, codec_spec, stored,
+                           raw_length, x if stored is pieces else None)
+
+    def _frame(self, layer: int, component: str, token_start: int, n: int, head_start: int, head_count: int,
+               codec: str, codec_spec: int, stored: list, raw_length: int, raw_x) -> list:
+        """Frame, record and buffers of one chunk's ``stored`` body (``raw_x``: the array whose
+        heads are the raw pieces, hashed in place by libkvwire when native is on)."""
+        h = self.header
+        checksum = native.hash_runs(raw_x) if raw_x is not None and len(stored) > 1 else None
         if checksum is None and len(stored) == 1:
             checksum = xxhash.xxh3_64_intdigest(stored[0])
         elif checksum is None:
@@ -185,7 +217,7 @@ class Encoder:
             for p in stored:
                 hasher.update(p)
             checksum = hasher.intdigest()
-        stored_length = raw_length if stored is pieces else sum(memoryview(p).nbytes for p in stored)
+        stored_length = sum(memoryview(p).nbytes for p in stored)
 
         frame_at = next_frame_offset(self._pos, h.alignment)
         rec = RECORD_STRUCT.pack(  # the record's bytes (RECORD_DTYPE): no numpy scalar per chunk

@@ -10,6 +10,7 @@ import numpy as np
 import zstandard
 
 from . import byteplane, native, quant
+from ..format import errors as E
 from ..format import registry as R
 from ..format.chunks import chunk_plan
 from ..format.codec_specs import LOSSY_COMPONENTS, CodecSpec, features_of
@@ -82,8 +83,7 @@ class CodecPlan:
                head: int = 0):
         """(codec name, codec_spec, stored pieces) of one chunk; ``pieces`` are its raw bytes,
         ``x`` its [heads, tokens, dim] array (``head``: a sparse chunk's one head)."""
-        c = self._by_comp.get(component, "raw") if self._choice is None else \
-            self._choice.get((layer, component, token_start, head), "raw")
+        c = self.chosen(layer, component, token_start, head)
         if c == "raw":
             return "raw", 0, pieces
         if c == "zstd":
@@ -103,7 +103,44 @@ class CodecPlan:
                 body = quant.encode(spec, x, lay, h.dtype)
         except quant.NotFaithful:  # KVW-LOSSY-5/6: this chunk is stored losslessly
             return self._lossless(pieces, raw_length)
+        return self._staged(spec, c, body)
+
+    def chosen(self, layer: int, component: str, token_start: int, head: int = 0):
+        """The choice for one planned chunk: "raw", "zstd" or a codec_spec index >= 1."""
+        if self._choice is None:
+            return self._by_comp.get(component, "raw")
+        return self._choice.get((layer, component, token_start, head), "raw")
+
+    def carried(self, layer: int, component: str, token_start: int, shape: tuple, body):
+        """(codec name, codec_spec, stored pieces) of one dense chunk whose lossy body the
+        caller already holds in the spec chosen for it: an engine's quantized cache carried
+        as it is (``integrations.vllm_quantized``). The body is read as a reader reads it
+        (length, scales, padding: the reader's rules and codes) and must decode to finite
+        values: the engine's numbers are the cache, so KVW-LOSSY-5 holds by construction."""
+        c = self.chosen(layer, component, token_start)
+        if not isinstance(c, int):
+            raise ValueError(f"layer {layer} {component} token {token_start}: the codec chosen is {c}, not a lossy "
+                             "codec spec; pass the tensor to Encoder.chunk instead")
+        h, spec = self.header, self.header.codec_specs[c - 1]
+        lay = quant.layout(spec, h.dtype, shape[0], shape[2], token_start, token_start + shape[1],
+                           *lossy_range(h, layer, 0))
+        view = memoryview(body).cast("B")
+        if len(view) != lay.length:
+            raise ValueError(f"layer {layer} {component} token {token_start}: a body of {len(view)} bytes; its spec "
+                             f"and shape {shape} take {lay.length} (KVW-LOSSY-2)")
+        try:
+            decoded = quant.decode(spec, view, lay, h.dtype)
+        except E.FormatError as exc:
+            raise ValueError(f"layer {layer} {component} token {token_start}: readers would reject this body "
+                             f"({exc.code}, {exc.rule}): {exc}") from None
+        if not np.isfinite(np.asarray(decoded, np.float32)).all():
+            raise ValueError(f"layer {layer} {component} token {token_start}: the body decodes to NaN or infinity")
+        return self._staged(spec, c, [view])
+
+    def _staged(self, spec, c: int, body: list):
+        """The lossy body with the spec's lossless stage, kept only when shorter (KVW-CSPEC-7)."""
         if spec.lossless != "raw":  # chained stage, kept only when it is shorter (KVW-CSPEC-7)
+            h = self.header
             joined = b"".join(memoryview(p).cast("B") for p in body)
             if spec.lossless == "zstd":
                 staged = [self._zstd.compress(joined)]

@@ -26,6 +26,25 @@ def _lloyd(bits: int) -> CodecSpec:
                      scale_dtype="f16", rotation="hadamard", rotation_seed=ROTATION_SEED, codebook="gaussian")
 
 
+def _kchan(bits: int, values: CodecSpec) -> dict:
+    """Keys (and MLA latents) per channel over groups of 64 tokens, min-max, f16 scale and min
+    (KIVI's keys without its residual window), values ``values``: measured on keys with
+    Llama-like outlier channels (benchmarks/results/rotation.md), per-channel key groups keep
+    an outlier within its own scale where a rotation spreads it over the whole row."""
+    keys = CodecSpec("int_affine", bits=bits, group_size=64, scale_dtype="f16")
+    return {"k": keys, "v": values, "latent": keys}
+
+
+def _turboquant(k_bits: int, v_bits: int) -> dict:
+    """vLLM 0.32's ``turboquant_*_nc`` caches (revision 1.3, spec/codecs.md section 9):
+    keys rotated without signs onto vLLM's Lloyd-Max table with one f16 norm per row, values
+    min-max per row with an f16 scale and minimum: the numbers such a cache holds."""
+    k = CodecSpec("int_affine", bits=k_bits, group_size=1 << 16, group_axis="channels", symmetric=True,
+                  scale_dtype="f16", rotation="sylvester", codebook="turboquant")
+    v = CodecSpec("int_affine", bits=v_bits, group_size=1 << 16, group_axis="channels", scale_dtype="f16")
+    return {"k": k, "v": v}
+
+
 # Named pipelines: a CodecSpec for every component, or {component: CodecSpec}.
 PRESETS = {
     "byteplane": CodecSpec("byteplane_zstd"),
@@ -50,6 +69,16 @@ PRESETS = {
     "hadamard-lloyd2": _lloyd(2),
     # keys at 3 bits, values at 2 (KIVI: keys need more): 2.625 bits per element at head_dim 128
     "hadamard-lloyd-k3v2": {"k": _lloyd(3), "v": _lloyd(2), "latent": _lloyd(3)},
+    # keys per channel (unrotated: an outlier channel keeps its own scale), values rotated
+    "kchan4-vlloyd4": _kchan(4, _lloyd(4)),
+    "kchan3-vlloyd2": _kchan(3, _lloyd(2)),
+    # revision 1.3: vLLM's turboquant caches (kv_cache_dtype turboquant_4bit_nc, _k3v4_nc, _3bit_nc)
+    "vllm-turboquant-4bit-nc": _turboquant(4, 4),
+    "vllm-turboquant-k3v4-nc": _turboquant(3, 4),
+    "vllm-turboquant-3bit-nc": _turboquant(3, 3),
+    # vLLM's int8_per_token_head cache: symmetric int8, one f32 scale per token and head (format 1.0)
+    "vllm-int8-per-token-head": CodecSpec("int_affine", bits=8, group_size=1 << 16, group_axis="channels",
+                                          symmetric=True, scale_dtype="f32"),
 }
 
 

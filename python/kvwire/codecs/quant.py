@@ -23,6 +23,7 @@ from ..format.errors import CodecError
 from . import kernels as K
 from . import rotation as RT
 from . import scales as SC
+from . import turboquant as TQ
 from .scales import NotFaithful  # noqa: F401  (re-exported: the writer's refusal)
 
 F32 = np.dtype("<f4")
@@ -230,19 +231,24 @@ def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
     zeros = None
     if lay.zeros:
         zeros, at = _params(b, at, lay, sd, "KVW-INT-3", "finite")
-    gauss = spec.codebook == "gaussian"  # revision 1.2: x = C_b[u] * s (KVW-ROT-4)
-    q = K.unpack_f32(b[at:], spec.bits, H * M * D, (1 << (spec.bits - 1)) if spec.symmetric and not gauss else 0)
+    if spec.codebook == "turboquant":  # revision 1.3 (KVW-TQ-2)
+        TQ.check_geometry(spec, D)
+    q = K.unpack_f32(b[at:], spec.bits, H * M * D, (1 << (spec.bits - 1)) if spec.symmetric and spec.codebook ==
+                     "uniform" else 0)
     if q is None:
         raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero",
                          rule="KVW-ROT-3" if spec.bits == 3 else "KVW-INT-4")
-    q = (RT.gaussian_values(q, spec.bits) if gauss else q).reshape(H, M, D)
+    q = q.reshape(H, M, D)
     with np.errstate(over="ignore", invalid="ignore"):  # beyond the largest finite: infinity, as specified
-        if spec.symmetric:
+        if spec.codebook == "turboquant":  # the normalised levels times each row's norm (KVW-TQ-4)
+            q = TQ.values(q, scales.reshape(H, M, 1).astype(F32), spec.bits)
+        elif spec.symmetric:  # revision 1.2: the gaussian levels C_b[u] times the scale (KVW-ROT-4)
+            q = RT.gaussian_values(q, spec.bits) if spec.codebook == "gaussian" else q
             group_apply(q, [scales], spec, lambda blk, s: np.multiply(blk, s, out=blk))
         else:  # two fp32 roundings, no FMA (KVW-LOSSY-3), in place
             group_apply(q, [scales, zeros], spec, lambda blk, s, z: np.add(np.multiply(blk, s, out=blk), z, out=blk))
-    if spec.rotation == "hadamard":  # back from the rotated basis, row by row (KVW-ROT-6)
-        RT.inverse(q, spec.rotation_seed)
+    if spec.rotation != "none":  # back from the rotated basis, row by row (KVW-ROT-6, KVW-TQ-3)
+        RT.inverse(q, spec.rotation_seed, signed=spec.rotation == "hadamard")
     K.to_header(q, dtype, np_dtype, dst)
     return out
 
@@ -360,17 +366,20 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
         return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), codes.reshape(-1)]
     b = spec.bits
     rows = None
-    if spec.rotation == "hadamard":  # the writer's rotation (section 8.4); KVW-ROT-7 checked below
+    if spec.rotation != "none":  # the writer's rotation (section 8.4); KVW-ROT-7 checked below
         rows = K.amax_of(y.max(axis=2), y.min(axis=2))
-        RT.forward(y, spec.rotation_seed)
+    if spec.codebook == "turboquant":  # norms before the rotation, as vLLM (section 9)
+        body = TQ.body(y, spec, pieces)
+    elif spec.rotation != "none":
+        RT.forward(y, spec.rotation_seed, signed=spec.rotation == "hadamard")
         if np.isfinite(rows).all() and not np.isfinite(y).all():
             raise NotFaithful("the rotation overflows fp32 (KVW-ROT-7): the chunk is stored losslessly instead")
     suspect = False
     if spec.codebook == "gaussian":
         body, suspect = RT.gaussian_body(y, spec, dtype, pieces, group_reduce, group_apply)
-    else:
+    elif spec.codebook == "uniform":
         body = _uniform(y, spec, dtype, pieces)
-    if rows is not None or spec.codebook == "gaussian":
+    if rows is not None or spec.codebook != "uniform":
         X = x[:, P : P + M]
         RT.check_encoded(X, rows, lay.dim, spec, dtype, lambda: decode(spec, b"".join(
             p.tobytes() for p in body), lay, dtype)[:, P : P + M], force=suspect)

@@ -95,27 +95,31 @@ def _butterflies(y: np.ndarray, block: int) -> np.ndarray:
     return yt
 
 
-def forward(y: np.ndarray, seed: int) -> np.ndarray:
+def forward(y: np.ndarray, seed: int, signed: bool = True) -> np.ndarray:
     """The writer's rotation of fp32 rows ``y`` [..., D], in place: ``r = x * sigma``, the
-    butterflies, then ``r * c_B`` (section 8.4, informative)."""
+    butterflies, then ``r * c_B`` (section 8.4, informative). ``signed=False``: every sign
+    +1 (``rotation = sylvester``, KVW-TQ-3)."""
     d = y.shape[-1]
     blk = block_size(d)
-    np.multiply(y, signs(seed, d), out=y)
+    if signed:
+        np.multiply(y, signs(seed, d), out=y)
     yt = _butterflies(y, blk)
     np.multiply(yt, c_b(blk), out=yt)
     y.reshape(-1, d)[...] = yt.T
     return y
 
 
-def inverse(y: np.ndarray, seed: int) -> np.ndarray:
+def inverse(y: np.ndarray, seed: int, signed: bool = True) -> np.ndarray:
     """Every reader's inverse rotation of dequantized fp32 rows ``y`` [..., D], in place:
-    the butterflies, then ``(y * c_B) * sigma`` (KVW-ROT-6)."""
+    the butterflies, then ``(y * c_B) * sigma`` (KVW-ROT-6; ``sigma = +1`` unless ``signed``,
+    KVW-TQ-3)."""
     d = y.shape[-1]
     blk = block_size(d)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as specified
         yt = _butterflies(y, blk)
         np.multiply(yt, c_b(blk), out=yt)
-    np.multiply(yt, signs(seed, d)[:, None], out=yt)
+    if signed:
+        np.multiply(yt, signs(seed, d)[:, None], out=yt)
     y.reshape(-1, d)[...] = yt.T
     return y
 

@@ -21,6 +21,7 @@ from .fbfields import offset_vector
 
 FEATURE_BIT = R.REQUIRED_FEATURES["codec_specs"]
 ROTATION_BIT = R.REQUIRED_FEATURES["rotation"]  # revision 1.2: fields 11-13 and 3-bit codes (KVW-ROT-1)
+TURBOQUANT_BIT = R.REQUIRED_FEATURES["turboquant"]  # revision 1.3: rotation 2, codebook 2 (KVW-TQ-1)
 MAX_CODEC_SPECS = 4096  # KVW-CSPEC-2: codec_spec is a u16 index, 0 meaning "no spec"
 MAX_GROUP_SIZE = 1 << 16  # KVW-INT-2
 LOSSY = ("fp8", "int_affine")
@@ -33,6 +34,7 @@ LOSSY_COMPONENTS = ("k", "v", "latent")  # KVW-CSPEC-9
 INT_BITS = (2, 4, 8)
 ROTATION_INT_BITS = (2, 3, 4, 8)  # with the rotation bit (KVW-ROT-2)
 CODEBOOK_BITS = (2, 3, 4)  # the Gaussian codebook's tables (KVW-ROT-4)
+TURBOQUANT_BITS = (3, 4)  # vLLM's TurboQuant tables (KVW-TQ-4)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,12 @@ class CodecSpec:
     @property
     def lossy(self) -> bool:
         return self.codec in LOSSY
+
+    @property
+    def needs_turboquant_bit(self) -> bool:
+        """The spec uses revision 1.3 (the unsigned rotation or the TurboQuant codebook): required
+        feature bit 5 (KVW-TQ-1)."""
+        return self.rotation == "sylvester" or self.codebook == "turboquant"
 
     @property
     def needs_rotation_bit(self) -> bool:
@@ -125,9 +133,9 @@ def build_codec_specs(b, specs) -> int | None:
     return offset_vector(b, offs)
 
 
-def _name(enum: dict, code: int, attr: str) -> str:
+def _name(enum: dict, code: int, attr: str, required_features: int = 0) -> str:
     for name, c in enum.items():
-        if c == code:
+        if c == code and gate_open(attr, name, required_features):
             return name
     raise SchemaError("ENUM_OUT_OF_RANGE", f"codec spec {attr} code {code} is not in the registry", rule="KVW-HDR-10")
 
@@ -147,7 +155,7 @@ def read_codec_specs(t, required_features: int = 0) -> tuple:
             if code == "?":
                 kw[attr] = st.boolean(fid, default)
             elif attr in _ENUMS:
-                kw[attr] = _name(_ENUMS[attr], st.scalar(fid, _U8, _ENUMS[attr][default]), attr)
+                kw[attr] = _name(_ENUMS[attr], st.scalar(fid, _U8, _ENUMS[attr][default]), attr, required_features)
             else:
                 kw[attr] = st.scalar(fid, _STRUCTS[code], default)
         out.append(CodecSpec(**kw))
@@ -158,18 +166,29 @@ def read_codec_specs(t, required_features: int = 0) -> tuple:
 # Header rules
 # ---------------------------------------------------------------------------------------
 
+def gate_open(attr: str, name: str, required_features: int) -> bool:
+    """Is registry name ``name`` of field ``attr`` in range under ``required_features``
+    (a code a feature registers is in range only with its bit, KVW-EVOL-9)?"""
+    feature = R.FEATURE_GATED.get(attr, {}).get(name) if attr in REVISION_1_2_FIELDS else None
+    return feature is None or bool(required_features & R.KNOWN_REQUIRED_FEATURES & R.REQUIRED_FEATURES[feature])
+
+
 def _invalid(i: int, rule: str, msg: str):
     raise SchemaError("CODEC_SPEC_INVALID", f"codec_specs[{i}]: {msg}", rule=rule)
 
 
-def check_codec_spec(s: CodecSpec, i: int, dtype: str, rotation_bit: bool = False) -> None:
+def check_codec_spec(s: CodecSpec, i: int, dtype: str, rotation_bit: bool = False,
+                     turboquant_bit: bool = False) -> None:
     """Rules of one spec, in the order of spec/codecs.md section 1.1 (KVW-CSPEC-3..6, KVW-FP8-1,
-    KVW-INT-1..2), then revision 1.2's (KVW-ROT-2). KVW-CSPEC-8 (sparse containers count sink
+    KVW-INT-1..2), then revisions 1.2's and 1.3's (KVW-ROT-2, KVW-TQ-2). KVW-CSPEC-8 (sparse containers count sink
     and residual tokens per head) rejects nothing: ``codecs.lossy_range`` applies it."""
     for attr, enum in _ENUMS.items():
         if getattr(s, attr) not in enum:
             raise SchemaError("ENUM_OUT_OF_RANGE", f"codec_specs[{i}].{attr} {getattr(s, attr)!r}",
                               rule="KVW-HDR-10")
+        if rotation_bit and not gate_open(attr, getattr(s, attr), TURBOQUANT_BIT if turboquant_bit else 0):
+            raise SchemaError("ENUM_OUT_OF_RANGE", f"codec_specs[{i}].{attr} {getattr(s, attr)!r} is registered by "
+                              "required feature bit 5 (turboquant), which the container does not set", rule="KVW-TQ-1")
     if s.codec not in SPEC_CODECS:
         _invalid(i, "KVW-CSPEC-3", f"codec {s.codec!r}: a codec spec names byteplane_zstd, fp8 or int_affine "
                  "(raw and zstd records use codec_spec 0)")
@@ -204,6 +223,11 @@ def check_rotation_fields(s: CodecSpec, i: int, rotation_bit: bool) -> None:
     if s.codebook == "gaussian" and (not s.symmetric or s.bits not in CODEBOOK_BITS):
         _invalid(i, "KVW-ROT-2", f"the gaussian codebook needs symmetric = true and bits 2, 3 or 4 (has symmetric "
                  f"{s.symmetric}, bits {s.bits})")
+    if s.rotation == "sylvester" and s.rotation_seed:
+        _invalid(i, "KVW-TQ-2", f"rotation_seed {s.rotation_seed} with the unsigned rotation: must be 0")
+    if s.codebook == "turboquant" and (not s.symmetric or s.group_axis != "channels" or s.bits not in TURBOQUANT_BITS):
+        _invalid(i, "KVW-TQ-2", f"the turboquant codebook needs symmetric = true, group_axis channels and bits 3 or 4 "
+                 f"(has symmetric {s.symmetric}, group_axis {s.group_axis}, bits {s.bits})")
 
 
 def check_codec_specs(h) -> None:
@@ -215,17 +239,23 @@ def check_codec_specs(h) -> None:
                                "absent or empty (KVW-CSPEC-10): treated as an unknown bit", rule="KVW-EVOL-3")
         if h.required_features & ROTATION_BIT:
             _invalid(0, "KVW-ROT-1", "required feature bit 4 (rotation) is set but the header has no codec specs")
+        if h.required_features & TURBOQUANT_BIT:
+            _invalid(0, "KVW-TQ-1", "required feature bit 5 (turboquant) is set but the header has no codec specs")
         return
     if not h.required_features & FEATURE_BIT:
         _invalid(0, "KVW-CSPEC-10", "codec_specs present without the codec_specs required feature bit")
     if len(specs) > MAX_CODEC_SPECS:
         raise LimitError("LIMIT_EXCEEDED", f"{len(specs)} codec specs, limit {MAX_CODEC_SPECS}", rule="KVW-CSPEC-2")
     rot = bool(h.required_features & ROTATION_BIT)
+    tq = bool(h.required_features & TURBOQUANT_BIT)
     for i, s in enumerate(specs):
-        check_codec_spec(s, i, h.dtype, rot)
+        check_codec_spec(s, i, h.dtype, rot, tq)
     if rot and not any(s.needs_rotation_bit for s in specs):
         _invalid(0, "KVW-ROT-1", "required feature bit 4 (rotation) is set but no codec spec uses a rotation, the "
                  "gaussian codebook or 3-bit codes")
+    if tq and not (rot and any(s.needs_turboquant_bit for s in specs)):
+        _invalid(0, "KVW-TQ-1", "required feature bit 5 (turboquant) is set without bit 4 (rotation) or without a "
+                 "codec spec that uses the sylvester rotation or the turboquant codebook")
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,11 +308,13 @@ REVISION_1_2_FIELDS = ("rotation", "rotation_seed", "codebook")
 
 
 def features_of(specs) -> int:
-    """The required feature bits a list of specs needs: codec_specs, and rotation when one
-    spec uses revision 1.2 (KVW-CSPEC-10, KVW-ROT-1)."""
+    """The required feature bits a list of specs needs: codec_specs, rotation when one spec
+    uses revision 1.2, turboquant (with rotation) when one uses 1.3 (KVW-CSPEC-10, KVW-ROT-1,
+    KVW-TQ-1)."""
     if not specs:
         return 0
-    return FEATURE_BIT | (ROTATION_BIT if any(s.needs_rotation_bit for s in specs) else 0)
+    return (FEATURE_BIT | (ROTATION_BIT if any(s.needs_rotation_bit for s in specs) else 0)
+            | (TURBOQUANT_BIT if any(s.needs_turboquant_bit for s in specs) else 0))
 
 
 def spec_from_json(d: dict) -> CodecSpec:

@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared depende
 
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0  # what a writer writes for a container that uses no feature added after 1.0 (KVW-EVOL-12)
-FORMAT_MINOR_IMPLEMENTED = 2  # the newest revision this codec implements: 1.2 (feature rotation)
+FORMAT_MINOR_IMPLEMENTED = 3  # the newest revision this codec implements: 1.3 (feature turboquant)
 
 # DType registry: name -> (code, itemsize, numpy dtype)
 DTYPES: dict[str, tuple[int, int, np.dtype]] = {
@@ -70,9 +70,9 @@ SCALE_GRANULARITIES = {"tensor": 0, "head": 1, "token": 2}
 SCALE_GRANULARITY_BY_CODE = {v: k for k, v in SCALE_GRANULARITIES.items()}
 GROUP_AXES = {"tokens": 0, "channels": 1}
 GROUP_AXIS_BY_CODE = {v: k for k, v in GROUP_AXES.items()}
-# revision 1.2 (spec/codecs.md section 8.5)
-ROTATIONS = {"none": 0, "hadamard": 1}
-CODEBOOKS = {"uniform": 0, "gaussian": 1}
+# revision 1.2 (spec/codecs.md section 8.5); code 2 of each is revision 1.3's (section 9)
+ROTATIONS = {"none": 0, "hadamard": 1, "sylvester": 2}
+CODEBOOKS = {"uniform": 0, "gaussian": 1, "turboquant": 2}
 
 # Feature registry (spec section 20.8). A writer sets a required bit when the container
 # uses the feature; a reader that does not implement a set required bit refuses the
@@ -83,10 +83,11 @@ REQUIRED_FEATURES = {
     "state_layers": 1 << 2,  # LayerKind STATE / Component STATE (spec/crossmodel.md)
     "kv_scales": 1 << 3,  # revision 1.1: Header.kv_scales, per-layer fp8 scales (spec section 5.10)
     "rotation": 1 << 4,  # revision 1.2: CodecSpec fields 11-13, 3-bit codes (spec/codecs.md section 8)
+    "turboquant": 1 << 5,  # revision 1.3: vLLM's TurboQuant key codebook (spec/codecs.md section 9)
 }
 # The minor version that defines each feature (section 20.8, "Since"): a writer writes the
 # largest one among the features a container uses as format_minor (KVW-EVOL-12).
-FEATURE_MINOR = {"codec_specs": 0, "sparse": 0, "state_layers": 0, "kv_scales": 1, "rotation": 2}
+FEATURE_MINOR = {"codec_specs": 0, "sparse": 0, "state_layers": 0, "kv_scales": 1, "rotation": 2, "turboquant": 3}
 
 # Codes that a feature registers: outside containers that set the feature's required bit
 # they are out of range, exactly as in a v1.0 container (KVW-EVOL-9).
@@ -94,8 +95,11 @@ FEATURE_GATED = {
     "codec": {"byteplane_zstd": "codec_specs", "fp8": "codec_specs", "int_affine": "codec_specs"},
     "component": {"state": "state_layers", "positions": "sparse"},
     "layer_kind": {"state": "state_layers"},
+    "rotation": {"sylvester": "turboquant"},  # CodecSpec fields 11 and 13 (spec/codecs.md KVW-TQ-1)
+    "codebook": {"turboquant": "turboquant"},
 }
-_GATED_REGISTRIES = {"codec": CODECS, "component": COMPONENTS, "layer_kind": LAYER_KINDS}
+_GATED_REGISTRIES = {"codec": CODECS, "component": COMPONENTS, "layer_kind": LAYER_KINDS, "rotation": ROTATIONS,
+                     "codebook": CODEBOOKS}
 
 
 def enabled_codes(registry: str, required_features: int) -> np.ndarray:
@@ -109,10 +113,11 @@ def enabled_codes(registry: str, required_features: int) -> np.ndarray:
 
 
 # Required-feature bits this reader implements (spec: "Feature registry"): those of 1.0 and
-# revision 1.1's kv_scales and 1.2's rotation. A reader without a bit rejects its containers (KVW-EVOL-3).
+# revision 1.1's kv_scales, 1.2's rotation and 1.3's turboquant. A reader without a bit rejects its
+# containers (KVW-EVOL-3).
 KNOWN_REQUIRED_FEATURES = (0 | REQUIRED_FEATURES["sparse"] | REQUIRED_FEATURES["codec_specs"]
                            | REQUIRED_FEATURES["state_layers"] | REQUIRED_FEATURES["kv_scales"]
-                           | REQUIRED_FEATURES["rotation"])
+                           | REQUIRED_FEATURES["rotation"] | REQUIRED_FEATURES["turboquant"])
 KNOWN_OPTIONAL_FEATURES = 0
 # ChunkRecord.flags: bits 0-7 optional (ignored when unknown), bits 8-15 required.
 KNOWN_REQUIRED_CHUNK_FLAGS = 0

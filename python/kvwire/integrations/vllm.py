@@ -178,6 +178,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 st.saved = min(st.saved, done // C)  # vLLM rolled back to recompute blocks a load failed on:
                 st.tail_saved = False  # save them again
             self._plan_save(meta, st, req_id, done + scheduler_output.num_scheduled_tokens[req_id])
+        self._write_stats(bool(meta.loads))  # matched_tokens counts the loads planned here
         return meta
 
     def _plan_save(self, meta, st: RequestState, req_id: str, computed_after: int) -> None:

@@ -282,7 +282,8 @@ def cache_dtype_of(model_dtype, cache_dtype, platform_fp8: str = "f8_e4m3fn") ->
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={cache_dtype!r}: the kvwire connector stores 'auto', 'fp8', "
                          f"{', '.join(repr(k) for k in CACHE_DTYPES)} caches (per-layer scales); per-token or "
-                         "per-head scaled and packed formats are not supported")
+                         "per-head scaled and packed formats are not supported (turboquant slot tensors: "
+                         "kvwire.integrations.vllm_quantized converts them without re-quantizing)")
     return CACHE_DTYPES[cache_dtype]
 
 

@@ -1,0 +1,401 @@
+/*
+ * int_affine revision 1.3 (spec/codecs.md section 9, KVW-TQ-1..5): vLLM's TurboQuant
+ * key codebook and the unsigned rotation, byte for byte as python/kvwire/codecs/turboquant.py.
+ * vLLM's turboquant_*_nc caches store each key row as Lloyd-Max indices after an unsigned
+ * Hadamard rotation, plus the row's fp16 norm, and decode the codebook vector re-normalised
+ * to unit length times the norm; carrying those numbers as they are needs a codebook whose
+ * decoding divides by the row's own norm (KVW-TQ-4), which section 8's per-element levels
+ * cannot express. Decoding is fp32 in a fixed order (the squares added one channel at a time,
+ * a correctly rounded sqrtf, a division, two multiplications, then section 8.4's rotation),
+ * so every reader produces the same bytes. Why a file apart from codecs_rot*.c: the row's
+ * norm makes the codebook a whole-row step of its own; the 1.2 files reach this one through
+ * one-line hooks (the rotation's sign masks, kvwc_rot_mask, and the dispatch).
+ */
+#include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
+
+#include "codecs_tq.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define REFUSE(rule, ...) kvw_fail(err, KVW_ERR_UNSUPPORTED, rule, __VA_ARGS__)
+
+/* KVW-TQ-4's table, upper halves as fp32 bits: [b == 4][log2(D) odd]. vLLM's centroids for
+ * D = 64 (even) and D = 128 (odd); other powers of two scale them by powers of two, which the
+ * normalisation cancels exactly. */
+static const uint32_t LEVEL_BITS[2][2][8] = {
+    {{0x3CFADCFBu, 0x3DC171FCu, 0x3E2BED53u, 0x3E899F54u},
+     {0x3CB16317u, 0x3D88C955u, 0x3DF3243Du, 0x3E42A09Fu}},
+    {{0x3C83828Au, 0x3D46B9FFu, 0x3DA82948u, 0x3DF1444Au, 0x3E20CD0Cu, 0x3E4F16C0u, 0x3E846170u,
+      0x3EAEC76Eu},
+     {0x3C39FBAEu, 0x3D0C8559u, 0x3D6DD0E1u, 0x3DAA99F2u, 0x3DE3682Bu, 0x3E126F17u, 0x3E3B36E7u,
+      0x3E772CC4u}}};
+
+static unsigned log2_of(uint64_t D) {
+    unsigned k = 0;
+    while (k < 63 && (UINT64_C(1) << (k + 1)) <= D) k++;
+    return k;
+}
+
+static int pow2(uint64_t D) { return D && !(D & (D - 1)); }
+
+void kvwc_tq_levels(unsigned b, uint64_t D, float *lv) {
+    const uint32_t *pos = LEVEL_BITS[b == 4][log2_of(D) & 1];
+    unsigned half = 1u << (b - 1);
+    for (unsigned u = 0; u < 2 * half; u++) /* L[half - 1 - i] = -L[half + i] */
+        lv[u] = u >= half ? kvwc_bits_f32(pos[u - half])
+                          : kvwc_bits_f32(pos[half - 1 - u] | 0x80000000u);
+}
+
+void kvwc_rot_mask(const kvw_codec_spec *s, uint64_t D, uint32_t *mask) {
+    if (s->rotation == KVW_ROTATION_HADAMARD)
+        kvwc_rot_signs(s->rotation_seed, D, mask);
+    else /* sylvester: sigma = +1 (KVW-TQ-3), the sign flip a no-op */
+        memset(mask, 0, (size_t)D * sizeof(uint32_t));
+}
+
+/* ---- decoding ------------------------------------------------------------------------- */
+
+/* n codes of b bits from element i0 on (KVW-ROT-3's little-endian bit string). */
+static void unpack_codes(const uint8_t *codes, uint64_t i0, uint64_t n, unsigned b, uint8_t *u) {
+    uint64_t k = 0;
+    if ((i0 * b) % 8 == 0) { /* from a byte boundary: 8 codes are b whole bytes */
+        const uint8_t *p = codes + i0 * b / 8;
+        if (b == 4)
+            for (; k + 2 <= n; k += 2, p++) u[k] = *p & 15, u[k + 1] = *p >> 4;
+        else
+            for (; k + 8 <= n; k += 8, p += 3) {
+                uint32_t v = p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+                for (unsigned q = 0; q < 8; q++) u[k + q] = (uint8_t)((v >> (3 * q)) & 7);
+            }
+    }
+    for (; k < n; k++) {
+        uint64_t bit = (i0 + k) * b, at = bit >> 3;
+        unsigned sh = (unsigned)(bit & 7), v = codes[at];
+        if (sh + b > 8) v |= (unsigned)codes[at + 1] << 8;
+        u[k] = (uint8_t)((v >> sh) & ((1u << b) - 1u));
+    }
+}
+
+static void store_row(uint8_t *dst, const float *x, uint64_t n, unsigned dtype) {
+    if (dtype == KVW_DTYPE_F32)
+        for (uint64_t i = 0; i < n; i++) kvw_st32(dst + 4 * i, kvwc_to_f32(x[i]));
+    else if (dtype == KVW_DTYPE_BF16)
+        for (uint64_t i = 0; i < n; i++) kvw_st16(dst + 2 * i, kvwc_to_bf16(x[i]));
+    else
+        for (uint64_t i = 0; i < n; i++) kvw_st16(dst + 2 * i, kvwc_to_f16(x[i]));
+}
+
+#define ROWS 8 /* rows decoded together: their sums of squares are independent chains */
+
+/* KVW-TQ-4 on R <= ROWS rows of codes u ([R, D]) with scales s: v = L[u], n = the squares
+ * added in order, inv = 1 / sqrt(n), then y = (v * inv) * s. n >= D * L[half]^2 > 0. Each
+ * row's sum keeps its own order; the rows only interleave (ILP, not reassociation). */
+static void tq_rows(const uint8_t *u, const float *lv, const float *s, uint64_t R, uint64_t D,
+                    float *y) {
+    float n[ROWS] = {0};
+    for (uint64_t i = 0; i < R * D; i++) y[i] = lv[u[i]];
+    if (R == ROWS) /* the common case: a constant trip count the compiler unrolls */
+        for (uint64_t d = 0; d < D; d++)
+            for (uint64_t r = 0; r < ROWS; r++) {
+                float v = y[r * D + d], sq = v * v;
+                n[r] = n[r] + sq;
+            }
+    else
+        for (uint64_t d = 0; d < D; d++)
+            for (uint64_t r = 0; r < R; r++) {
+                float v = y[r * D + d], sq = v * v;
+                n[r] = n[r] + sq;
+            }
+    for (uint64_t r = 0; r < R; r++) {
+        float inv = 1.0f / sqrtf(n[r]), sv = s[r];
+        float *yr = y + r * D;
+        for (uint64_t d = 0; d < D; d++) {
+            float t = yr[d] * inv; /* two roundings (KVW-LOSSY-3) */
+            yr[d] = t * sv;
+        }
+    }
+}
+
+static int use_avx2(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    return kvwc_rot_avx2_built() && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+kvw_code kvwc_tq_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                        const uint8_t *params, const uint8_t *codes, uint8_t *out,
+                        kvw_error *err) {
+    float *sc;
+    kvw_error pe;
+    kvw_code rc = kvwc_int_params(s, g, params, codes, &sc, &pe);
+    /* The reference's order: the scales (KVW-INT-3), the chunk's geometry, the padding. */
+    int padding = rc == KVW_DECODE_FAILED && pe.rule && strcmp(pe.rule, "KVW-INT-3") != 0;
+    if (rc && !padding) {
+        if (err) *err = pe;
+        return rc;
+    }
+    uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w;
+    if (!pow2(D) || s->group_size < D) {
+        free(sc);
+        return kvw_fail(err, KVW_DECODE_FAILED, "KVW-TQ-2",
+                        "the turboquant codebook needs head_dim a power of two and group_size >= "
+                        "head_dim (one group per token row); has head_dim %llu, group_size %u",
+                        (unsigned long long)D, (unsigned)s->group_size);
+    }
+    if (rc) {
+        if (err) *err = pe;
+        return rc;
+    }
+    unsigned b = g->bits;
+    size_t Dn = (size_t)D;
+    /* ROWS rows of values and codes, one row of sign masks */
+    uint8_t *scratch = D < SIZE_MAX / 128 ? (uint8_t *)malloc(Dn * (5 * ROWS + 4) + 16) : NULL;
+    if (!scratch) {
+        free(sc);
+        return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "turboquant rows of %llu channels",
+                        (unsigned long long)D);
+    }
+    float *y = (float *)(void *)scratch;
+    uint32_t *mask = (uint32_t *)(void *)(y + ROWS * Dn);
+    uint8_t *u = (uint8_t *)(mask + Dn);
+    float lv[16] = {0};
+    kvwc_tq_levels(b, D, lv);
+    int rot = s->rotation != KVW_ROTATION_NONE;
+    float cb = kvwc_rot_cb(D); /* B = D: D is a power of two */
+    if (rot) kvwc_rot_mask(s, D, mask);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    int avx2 = h->dtype == KVW_DTYPE_BF16 && D >= 8 && D <= 128 && use_avx2(); /* in registers */
+#else
+    int avx2 = 0;
+#endif
+    for (uint64_t r0 = 0; r0 < H * M; r0 += ROWS) { /* one scale per row: groups >= D */
+        uint64_t R = H * M - r0 < ROWS ? H * M - r0 : ROWS;
+        if (avx2 && R == ROWS) {
+            kvwc_tq_rows8_bf16(g, codes + r0 * D * b / 8, lv, sc + r0, rot ? mask : NULL, cb, r0, out);
+            continue;
+        }
+        unpack_codes(codes, r0 * D, R * D, b, u);
+        tq_rows(u, lv, sc + r0, R, D, y);
+        for (uint64_t r = r0; r < r0 + R; r++) {
+            float *yr = y + (r - r0) * D;
+            if (rot) kvwc_rot_row(yr, D, D, cb, mask); /* back from the rotated basis (TQ-3) */
+            store_row(out + (((r / M) * T + g->P + r % M) * D) * w, yr, D, h->dtype);
+        }
+    }
+    free(scratch);
+    free(sc);
+    return KVW_OK;
+}
+
+/* ---- encoding (the reference writer, section 9 informative) ---------------------------- */
+
+kvw_code kvwc_tq_writer_fits(const kvw_codec_spec *s, const kvwc_geom *g, kvw_error *err) {
+    if (s->codec != KVW_CODEC_INT_AFFINE || s->codebook != KVW_CODEBOOK_TURBOQUANT || !g->M ||
+        !g->H || !g->D || (pow2(g->D) && s->group_size >= g->D))
+        return KVW_OK;
+    return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "KVW-TQ-2",
+                    "the turboquant codebook needs head_dim a power of two and group_size >= "
+                    "head_dim: this layer has head_dim %llu, the spec group_size %u",
+                    (unsigned long long)g->D, (unsigned)s->group_size);
+}
+
+static const double SMALLEST[3] = {0x1p-133, 0x1p-24, 0x1p-149}; /* bf16, f16, f32 */
+static const double LARGEST[3] = {0x1.fep127, 65504.0, FLT_MAX};
+
+/* Every nonzero row's largest magnitude inside rotation.band (as codecs_rot_enc.c, whose
+ * copy is private to it): KVW-ROT-7 then holds by construction. lo compares in binary64,
+ * hi as its nearest binary32, as numpy compares the reference's fp32 row maxima. */
+static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                        const float *x) {
+    unsigned sd = s->scale_dtype, dt = h->dtype;
+    uint64_t D = g->D;
+    double small = SMALLEST[sd] > SMALLEST[dt] ? SMALLEST[sd] : SMALLEST[dt];
+    if (small < 0x1p-126) small = 0x1p-126;
+    double lo = 1024.0 * sqrt((double)D) * small, big = LARGEST[sd] < LARGEST[dt] ? LARGEST[sd] : LARGEST[dt];
+    double r2 = pow((double)FLT_MAX, 0.5);
+    float hi = (float)((big < r2 ? big : r2) / (double)(4 * D));
+    int avx2 = D % 8 == 0 && use_avx2();
+    for (uint64_t r = 0; r < g->H * g->M; r++) {
+        uint32_t a = 0;
+        const float *xr = x + r * D;
+        if (avx2) a = kvwc_tq_amax_avx2(xr, D);
+        else for (uint64_t d = 0; d < D; d++) {
+            uint32_t v = kvwc_f32_bits(xr[d]) & 0x7FFFFFFFu;
+            a = v > a ? v : a;
+        }
+        float af = kvwc_bits_f32(a);
+        if (a != 0 && !((double)af >= lo && af <= hi)) return 0;
+    }
+    return 1;
+}
+
+/* KVW-ROT-7 on the decoded chunk (rotation.faithful): every element decodes finite and every
+ * row with a nonzero input element decodes to a row with a nonzero value. x0: the input. */
+static kvw_code check_decoded(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                              const float *x0, const uint8_t *body, kvw_error *err) {
+    uint64_t n = g->H * g->T * g->D * g->w, D = g->D;
+    uint8_t *dec = (uint8_t *)malloc(n ? (size_t)n : 1);
+    if (!dec) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "decoded chunk of %llu bytes",
+                              (unsigned long long)n);
+    kvw_code rc = kvwc_lossy_decode(h, s, g, body, dec, err);
+    unsigned w = (unsigned)g->w;
+    uint32_t inf = w == 4 ? 0x7F800000u : h->dtype == KVW_DTYPE_F16 ? 0x7C00u : 0x7F80u;
+    for (uint64_t r = 0; !rc && r < g->H * g->M; r++) {
+        uint64_t hh = r / g->M, m = r % g->M;
+        const uint8_t *p = dec + ((hh * g->T + g->P + m) * D) * w;
+        int live = 0, any = 0;
+        for (uint64_t d = 0; d < D && !rc; d++) {
+            uint32_t v = (w == 4 ? kvw_ld32(p + 4 * d) : kvw_ld16(p + 2 * d)) & (inf | (inf - 1u));
+            if (v >= inf)
+                rc = REFUSE("KVW-ROT-7", "turboquant: head %llu token %llu would decode a finite "
+                            "element to a non-finite value", (unsigned long long)hh,
+                            (unsigned long long)(g->P + m));
+            live |= x0[r * D + d] != 0.0f, any |= v != 0;
+        }
+        if (!rc && live && !any)
+            rc = REFUSE("KVW-ROT-7", "turboquant: the nonzero row of head %llu token %llu would "
+                        "decode to zeros", (unsigned long long)hh, (unsigned long long)(g->P + m));
+    }
+    free(dec);
+    return rc;
+}
+
+/* n codes u of element i0 on or-ed into the zeroed bit string (KVW-ROT-3). */
+static void pack_codes(const uint8_t *u, uint64_t i0, uint64_t n, unsigned b, uint8_t *codes) {
+    uint64_t k = 0;
+    if ((i0 * b) % 8 == 0) {
+        uint8_t *p = codes + i0 * b / 8;
+        if (b == 4)
+            for (; k + 2 <= n; k += 2) *p++ = (uint8_t)(u[k] | (u[k + 1] << 4));
+        else
+            for (; k + 8 <= n; k += 8, p += 3) {
+                uint32_t v = 0;
+                for (unsigned q = 0; q < 8; q++) v |= (uint32_t)u[k + q] << (3 * q);
+                p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16);
+            }
+    }
+    for (; k < n; k++) {
+        uint64_t bit = (i0 + k) * b;
+        codes[bit >> 3] |= (uint8_t)(u[k] << (bit & 7));
+        if ((bit & 7) + b > 8) codes[(bit >> 3) + 1] |= (uint8_t)(u[k] >> (8 - (bit & 7)));
+    }
+}
+
+kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                        float *x, uint8_t *body, kvw_error *err) {
+    kvw_code rc = kvwc_tq_writer_fits(s, g, err);
+    if (rc) return rc;
+    uint64_t H = g->H, M = g->M, D = g->D, rows = H * M, n = rows * D;
+    unsigned b = s->bits, sd = s->scale_dtype, nm = (1u << b) - 1u;
+    uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
+    int check = !rows_in_band(h, s, g, x), rot = s->rotation != KVW_ROTATION_NONE;
+    /* The input (for the decoded check), the sign masks, the row norms and codes. */
+    size_t keep = check ? (size_t)n : 0;
+    float *x0 = (float *)malloc((keep + (size_t)rows) * sizeof(float) + (size_t)D * 5 + 8);
+    if (!x0) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "turboquant: %llu elements",
+                             (unsigned long long)n);
+    float *norm = x0 + keep;
+    uint32_t *mask = (uint32_t *)(void *)(norm + rows);
+    uint8_t *u = (uint8_t *)(mask + D);
+    if (check) memcpy(x0, x, (size_t)n * sizeof(float));
+    /* Norms first (vLLM's order: before the rotation); their scales and KVW-TQ-5. AVX2:
+     * 8 rows' squares added in channel order a lane per row, the same sums. */
+    int avx2 = D >= 8 && use_avx2();
+    float q8[ROWS];
+    uint8_t live8[ROWS];
+    for (uint64_t r = 0; !rc && r < rows; r++) {
+        const float *xr = x + r * D;
+        float q = 0.0f;
+        int live = 0;
+        if (avx2 && r % ROWS == 0 && rows - r >= ROWS) kvwc_rot_sumsq8_avx2(xr, D, D, q8, live8);
+        if (avx2 && rows - r + r % ROWS >= ROWS) {
+            q = q8[r % ROWS], live = live8[r % ROWS];
+        } else {
+            for (uint64_t d = 0; d < D; d++) {
+                float sq = xr[d] * xr[d];
+                q = q + sq;
+                live |= xr[d] != 0.0f;
+            }
+        }
+        norm[r] = sqrtf(q);
+        uint32_t sb = kvwc_nearest_bits(norm[r], sd);
+        float sf = kvwc_bits_value(sb, sd);
+        if ((kvwc_f32_bits(sf) & 0x7F800000u) == 0x7F800000u)
+            rc = REFUSE("KVW-TQ-5", "turboquant: head %llu token %llu has a norm beyond the "
+                        "scale dtype", (unsigned long long)(r / M), (unsigned long long)(g->P + r % M));
+        else if (live && sf == 0.0f)
+            rc = REFUSE("KVW-TQ-5", "turboquant: the nonzero row of head %llu token %llu has a "
+                        "norm that rounds to 0", (unsigned long long)(r / M),
+                        (unsigned long long)(g->P + r % M));
+        else if (g->psize == 4) kvw_st32(params + 4 * r, sb);
+        else kvw_st16(params + 2 * r, (uint16_t)sb);
+    }
+    if (rc) {
+        free(x0);
+        return rc;
+    }
+    /* vLLM's table T = L * 2^-e for this D, and its midpoints in fp32. */
+    unsigned k = log2_of(D);
+    int e = ((int)k - ((k & 1) ? 7 : 6)) / 2; /* an even numerator: exact, no rounding */
+    float lv[16], mid[15];
+    kvwc_tq_levels(b, D, lv);
+    for (unsigned j = 0; j <= nm; j++) lv[j] = ldexpf(lv[j], -e); /* exact: a power of two */
+    for (unsigned j = 0; j < nm; j++) mid[j] = (lv[j] + lv[j + 1]) / 2.0f;
+    float cb = kvwc_rot_cb(D);
+    if (rot) kvwc_rot_mask(s, D, mask);
+    memset(codes, 0, (size_t)g->code_bytes); /* codes are or-ed in where rows share bytes */
+    for (uint64_t r = 0; r < rows; r++) {
+        float *y = x + r * D, den = norm[r] + 1e-8f; /* x / (||x|| + 1e-8), vLLM's */
+        if (avx2) { /* whole bytes per row: D * b % 8 == 0 */
+            kvwc_tq_enc_row_avx2(y, D, den, rot ? mask : NULL, cb, mid, b, codes + r * D * b / 8);
+            continue;
+        }
+        for (uint64_t d = 0; d < D; d++) y[d] = y[d] / den;
+        if (rot) { /* forward: signs, butterflies, then c_B (section 8.4) */
+            for (uint64_t d = 0; d < D; d++) y[d] = kvwc_bits_f32(kvwc_f32_bits(y[d]) ^ mask[d]);
+            kvwc_rot_row(y, D, D, cb, NULL);
+            for (uint64_t d = 0; d < D; d++) y[d] = y[d] * cb;
+        }
+        for (uint64_t d = 0; d < D; d++) { /* u = #{ j : y >= M_j }, vLLM's bucketize */
+            unsigned c = 0;
+            for (unsigned j = 0; j < nm; j++) c += y[d] >= mid[j];
+            u[d] = (uint8_t)c;
+        }
+        pack_codes(u, r * D, D, b, codes);
+    }
+    if (check) rc = check_decoded(h, s, g, x0, body, err);
+    free(x0);
+    return rc;
+}
+
+int kvwc_tq_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                      const uint8_t *raw, uint8_t *body) {
+    uint64_t H = g->H, M = g->M, D = g->D, rowb = D * g->w, n = H * M * D;
+    float *x = (float *)malloc((size_t)n * sizeof(float) + 4);
+    if (!x) return 0;
+    int ok = 1, avx2 = D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && use_avx2();
+    for (uint64_t r = 0; ok && r < H * M; r++) { /* the quantized rows, in fp32; all finite */
+        const uint8_t *p = raw + ((r / M) * g->T + g->P + r % M) * rowb;
+        float *y = x + r * D;
+        uint32_t bad = 0, amax;
+        if (avx2) { /* bf16 or f32 to fp32 (exact), the magnitudes' largest bits */
+            kvwc_rot_enc_row_avx2(p, h->dtype, D, D, 1.0f, NULL, y, &amax);
+            ok = amax < 0x7F800000u;
+            continue;
+        }
+        for (uint64_t d = 0; d < D; d++) {
+            if (h->dtype == KVW_DTYPE_F32) y[d] = kvwc_bits_f32(kvw_ld32(p + 4 * d));
+            else if (h->dtype == KVW_DTYPE_BF16) y[d] = kvwc_from_bf16(kvw_ld16(p + 2 * d));
+            else y[d] = kvwc_from_f16(kvw_ld16(p + 2 * d));
+            bad |= (kvwc_f32_bits(y[d]) & 0x7F800000u) == 0x7F800000u;
+        }
+        ok = !bad;
+    }
+    /* Refusals, misuse and failures: the careful path does it again and reports. */
+    ok = ok && kvwc_tq_encode(h, s, g, x, body, NULL) == KVW_OK;
+    free(x);
+    return ok;
+}
