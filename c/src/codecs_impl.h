@@ -201,4 +201,12 @@ int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_
 int kvwc_qenc_int_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                       const float *x, uint8_t *params, uint8_t *codes);
 
+/* codecs_rot_enc.c, shared with codecs_tq.c: the KVW-ROT-7 band of a spec and chunk (rows
+ * whose largest magnitude is inside meet the rule by construction) and the check on the
+ * decoded chunk for the others. */
+void kvwc_rot_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g, double *lo, float *hi);
+int kvwc_rot_in_band(uint32_t a, double lo, float hi);
+kvw_code kvwc_rot_check_decoded(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                                const float *x0, const uint8_t *body, kvw_error *err);
+
 #endif /* KVW_CODECS_IMPL_H */

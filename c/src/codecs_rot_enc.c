@@ -196,8 +196,8 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
 /* KVW-ROT-7 on the decoded chunk (rotation.faithful): every element decodes finite (the
  * input is finite, LOSSY-6) and every row [h, m, :] with a nonzero input element decodes to
  * a row with a nonzero value. */
-static kvw_code check_decoded(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                              const float *x0, const uint8_t *body, kvw_error *err) {
+kvw_code kvwc_rot_check_decoded(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                                const float *x0, const uint8_t *body, kvw_error *err) {
     uint64_t n = g->H * g->T * g->D * g->w, D = g->D;
     uint8_t *dec = (uint8_t *)malloc(n ? (size_t)n : 1);
     if (!dec) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "decoded chunk of %llu bytes",
@@ -233,7 +233,7 @@ static const double LARGEST[3] = {0x1.fep127, 65504.0, FLT_MAX};
 /* Every nonzero row's largest magnitude inside rotation.band: ROT-7 then holds by
  * construction (section 8.4). lo compares in binary64, hi as its nearest binary32, as
  * numpy compares the reference's fp32 row maxima with them. */
-static void band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g, double *lo, float *hi) {
+void kvwc_rot_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g, double *lo, float *hi) {
     unsigned sd = s->scale_dtype, dt = h->dtype;
     uint64_t D = g->D;
     double small = SMALLEST[sd] > SMALLEST[dt] ? SMALLEST[sd] : SMALLEST[dt];
@@ -244,7 +244,7 @@ static void band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *
     *hi = (float)((big < r2 ? big : r2) / (double)(4 * D));
 }
 /* a: a row's largest magnitude as fp32 bits (finite). */
-static int in_band(uint32_t a, double lo, float hi) {
+int kvwc_rot_in_band(uint32_t a, double lo, float hi) {
     float af = kvwc_bits_f32(a);
     return a == 0 || ((double)af >= lo && af <= hi);
 }
@@ -252,7 +252,7 @@ static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc
                         const float *x) {
     double lo;
     float hi;
-    band(h, s, g, &lo, &hi);
+    kvwc_rot_band(h, s, g, &lo, &hi);
     uint64_t D = g->D;
     for (uint64_t r = 0; r < g->H * g->M; r++) { /* x is finite: magnitudes as bits */
         uint32_t a = 0;
@@ -261,7 +261,7 @@ static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc
             uint32_t v = kvwc_f32_bits(xr[d]) & 0x7FFFFFFFu;
             a = v > a ? v : a;
         }
-        if (!in_band(a, lo, hi)) return 0;
+        if (!kvwc_rot_in_band(a, lo, hi)) return 0;
     }
     return 1;
 }
@@ -282,7 +282,7 @@ kvw_code kvwc_rot_encode(const kvw_header *h, const kvw_codec_spec *s, const kvw
     if (rot) rotate_rows(x, g->H * g->M, g->D, s, mask);
     kvw_code rc = gauss ? encode_gauss(h, s, g, x, params, codes, &check, err)
                         : kvwc_encode_int(h, s, g, x, params, codes, err);
-    if (!rc && check) rc = check_decoded(h, s, g, x0, body, err);
+    if (!rc && check) rc = kvwc_rot_check_decoded(h, s, g, x0, body, err);
     free(x0);
     return rc;
 }
@@ -341,7 +341,7 @@ static int gauss_channels_fused(const kvw_header *h, const kvw_codec_spec *s, co
             uint32_t a;
             kvwc_rot_enc_row_avx2(raw + ((r / M) * g->T + g->P + r % M) * rowb, h->dtype, D, B, cb, mask,
                                   y + i * D, &a);
-            ok = a < 0x7F800000u && in_band(a, lo, hi);
+            ok = a < 0x7F800000u && kvwc_rot_in_band(a, lo, hi);
         }
         if (!ok) break;
         if (nr == 8) {
@@ -391,7 +391,7 @@ int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_
         float cb = kvwc_rot_cb(B), hi = 0;
         double lo = 0;
         if (rot) kvwc_rot_mask(s, D, mask); /* sylvester: every sign + */
-        if (rot || gauss) band(h, s, g, &lo, &hi);
+        if (rot || gauss) kvwc_rot_band(h, s, g, &lo, &hi);
         if (rot && gauss && s->group_axis != KVW_GROUP_TOKENS && s->group_size % 8 == 0) {
             memset(params, 0, (size_t)(g->param_bytes + g->code_bytes)); /* any padding */
             ok = gauss_channels_fused(h, s, g, raw, params, codes, mask, lo, hi);
@@ -402,7 +402,7 @@ int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_
             uint32_t a;
             kvwc_rot_enc_row_avx2(raw + ((r / M) * g->T + g->P + r % M) * rowb, h->dtype, D, B, cb,
                                   rot ? mask : NULL, x + r * D, &a);
-            ok = a < 0x7F800000u && (!(rot || gauss) || in_band(a, lo, hi));
+            ok = a < 0x7F800000u && (!(rot || gauss) || kvwc_rot_in_band(a, lo, hi));
         }
     } else {
         for (uint64_t r = 0; ok && r < H * M; r++) /* the quantized rows, in fp32 */

@@ -202,21 +202,14 @@ kvw_code kvwc_tq_writer_fits(const kvw_codec_spec *s, const kvwc_geom *g, kvw_er
                     (unsigned long long)g->D, (unsigned)s->group_size);
 }
 
-static const double SMALLEST[3] = {0x1p-133, 0x1p-24, 0x1p-149}; /* bf16, f16, f32 */
-static const double LARGEST[3] = {0x1.fep127, 65504.0, FLT_MAX};
-
-/* Every nonzero row's largest magnitude inside rotation.band (as codecs_rot_enc.c, whose
- * copy is private to it): KVW-ROT-7 then holds by construction. lo compares in binary64,
- * hi as its nearest binary32, as numpy compares the reference's fp32 row maxima. */
+/* Every nonzero row's largest magnitude inside rotation.band (codecs_rot_enc.c's band):
+ * KVW-ROT-7 then holds by construction. */
 static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                         const float *x) {
-    unsigned sd = s->scale_dtype, dt = h->dtype;
+    double lo;
+    float hi;
+    kvwc_rot_band(h, s, g, &lo, &hi);
     uint64_t D = g->D;
-    double small = SMALLEST[sd] > SMALLEST[dt] ? SMALLEST[sd] : SMALLEST[dt];
-    if (small < 0x1p-126) small = 0x1p-126;
-    double lo = 1024.0 * sqrt((double)D) * small, big = LARGEST[sd] < LARGEST[dt] ? LARGEST[sd] : LARGEST[dt];
-    double r2 = pow((double)FLT_MAX, 0.5);
-    float hi = (float)((big < r2 ? big : r2) / (double)(4 * D));
     int avx2 = D % 8 == 0 && use_avx2();
     for (uint64_t r = 0; r < g->H * g->M; r++) {
         uint32_t a = 0;
@@ -226,41 +219,9 @@ static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc
             uint32_t v = kvwc_f32_bits(xr[d]) & 0x7FFFFFFFu;
             a = v > a ? v : a;
         }
-        float af = kvwc_bits_f32(a);
-        if (a != 0 && !((double)af >= lo && af <= hi)) return 0;
+        if (!kvwc_rot_in_band(a, lo, hi)) return 0;
     }
     return 1;
-}
-
-/* KVW-ROT-7 on the decoded chunk (rotation.faithful): every element decodes finite and every
- * row with a nonzero input element decodes to a row with a nonzero value. x0: the input. */
-static kvw_code check_decoded(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
-                              const float *x0, const uint8_t *body, kvw_error *err) {
-    uint64_t n = g->H * g->T * g->D * g->w, D = g->D;
-    uint8_t *dec = (uint8_t *)malloc(n ? (size_t)n : 1);
-    if (!dec) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "decoded chunk of %llu bytes",
-                              (unsigned long long)n);
-    kvw_code rc = kvwc_lossy_decode(h, s, g, body, dec, err);
-    unsigned w = (unsigned)g->w;
-    uint32_t inf = w == 4 ? 0x7F800000u : h->dtype == KVW_DTYPE_F16 ? 0x7C00u : 0x7F80u;
-    for (uint64_t r = 0; !rc && r < g->H * g->M; r++) {
-        uint64_t hh = r / g->M, m = r % g->M;
-        const uint8_t *p = dec + ((hh * g->T + g->P + m) * D) * w;
-        int live = 0, any = 0;
-        for (uint64_t d = 0; d < D && !rc; d++) {
-            uint32_t v = (w == 4 ? kvw_ld32(p + 4 * d) : kvw_ld16(p + 2 * d)) & (inf | (inf - 1u));
-            if (v >= inf)
-                rc = REFUSE("KVW-ROT-7", "turboquant: head %llu token %llu would decode a finite "
-                            "element to a non-finite value", (unsigned long long)hh,
-                            (unsigned long long)(g->P + m));
-            live |= x0[r * D + d] != 0.0f, any |= v != 0;
-        }
-        if (!rc && live && !any)
-            rc = REFUSE("KVW-ROT-7", "turboquant: the nonzero row of head %llu token %llu would "
-                        "decode to zeros", (unsigned long long)hh, (unsigned long long)(g->P + m));
-    }
-    free(dec);
-    return rc;
 }
 
 /* n codes u of element i0 on or-ed into the zeroed bit string (KVW-ROT-3). */
@@ -366,7 +327,7 @@ kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
         }
         pack_codes(u, r * D, D, b, codes);
     }
-    if (check) rc = check_decoded(h, s, g, x0, body, err);
+    if (check) rc = kvwc_rot_check_decoded(h, s, g, x0, body, err);
     free(x0);
     return rc;
 }
