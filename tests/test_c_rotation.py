@@ -196,19 +196,40 @@ def test_rotated_full_chunk(lib, dtype, dim, kind):
         assert a == b and a[0] == "ok"
 
 
-class _Err(ctypes.Structure):  # kvw_error (c/include/kvwire.h)
+class KvwError(ctypes.Structure):  # kvw_error (c/include/kvwire.h)
     _fields_ = [("code", ctypes.c_int), ("rule", ctypes.c_char_p), ("needed", ctypes.c_uint64),
                 ("message", ctypes.c_char * 240)]
 
 
-def test_header_rules(lib):
-    """KVW-ROT-1/2 through kvw_header_new: the code and rule the numpy reader gives, also for
-    fields 11-13 in a container without bit 4 (not read: a 1.0 spec)."""
+def check_header_cases(lib, arch, cases, minor) -> None:
+    """Each case ``(specs, required bits, expected code)``: the numpy reader reports the expected
+    code (None: accepted) and kvw_header_new the same code and rule; ``minor(bits)`` is the
+    header's format_minor."""
     import forge
     from kvwire.format.header import parse_header
 
     c = ctypes.CDLL(str(lib))
     c.kvw_code_name.restype = ctypes.c_char_p
+    for specs, bits, want in cases:
+        fb = forge.header_of(Header(arch, token_count=4, codec_specs=specs, required_features=bits,
+                                    format_minor=minor(bits)))
+        try:
+            parse_header(fb)
+            ref = (None, None)
+        except FormatError as e:
+            ref = (e.code, e.rule)
+        assert ref[0] == want, specs
+        out, e = ctypes.c_void_p(), KvwError()
+        code = c.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e))
+        if code == 0:
+            c.kvw_header_delete(out)
+        got = (None, None) if code == 0 else (c.kvw_code_name(code).decode(), e.rule.decode())
+        assert got == ref, specs
+
+
+def test_header_rules(lib):
+    """KVW-ROT-1/2 through kvw_header_new: the code and rule the numpy reader gives, also for
+    fields 11-13 in a container without bit 4 (not read: a 1.0 spec)."""
     arch = Architecture((LayerSpec("full_attention", 1, 64, 64),))
     bit0, bit4 = R.REQUIRED_FEATURES["codec_specs"], R.REQUIRED_FEATURES["rotation"]
     ia = lambda **k: CodecSpec("int_affine", **k)  # noqa: E731
@@ -229,18 +250,4 @@ def test_header_rules(lib):
         ((CodecSpec("byteplane_zstd", codebook="gaussian"), ia(bits=3)), bit0 | bit4, "CODEC_SPEC_INVALID"),
         ((ia(bits=3), ia(bits=5)), bit0 | bit4, "CODEC_SPEC_INVALID"),
     ]
-    for specs, bits, want in cases:
-        fb = forge.header_of(Header(arch, token_count=4, codec_specs=specs, required_features=bits,
-                                    format_minor=2 if bits & bit4 else 0))
-        try:
-            parse_header(fb)
-            ref = (None, None)
-        except FormatError as e:
-            ref = (e.code, e.rule)
-        assert ref[0] == want, specs
-        out, e = ctypes.c_void_p(), _Err()
-        code = c.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e))
-        if code == 0:
-            c.kvw_header_delete(out)
-        got = (None, None) if code == 0 else (c.kvw_code_name(code).decode(), e.rule.decode())
-        assert got == ref, specs
+    check_header_cases(lib, arch, cases, lambda bits: 2 if bits & bit4 else 0)

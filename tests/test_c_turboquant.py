@@ -12,7 +12,6 @@ square root, a division), so any other order or an FMA shows as bytes.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import replace
 
 import kvwire
@@ -27,9 +26,9 @@ from kvwire.codecs.presets import resolve
 from kvwire.format import codec_specs as CS
 from kvwire.format import registry as R
 from kvwire.format.architecture import Architecture, LayerSpec
-from kvwire.format.errors import FormatError
 from kvwire.format.header import Header
 
+from test_c_rotation import check_header_cases
 from test_native_codecs import LIB, both, values
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -186,18 +185,8 @@ def test_preset_containers_identical(lib, name):
             assert np.asarray(loaded.layers[i][comp]).tobytes() == np.asarray(arr).tobytes()
 
 
-class _Err(ctypes.Structure):  # kvw_error (c/include/kvwire.h)
-    _fields_ = [("code", ctypes.c_int), ("rule", ctypes.c_char_p), ("needed", ctypes.c_uint64),
-                ("message", ctypes.c_char * 240)]
-
-
 def test_header_rules(lib):
     """KVW-TQ-1/2 through kvw_header_new: the code and rule the numpy reader gives."""
-    import forge
-    from kvwire.format.header import parse_header
-
-    c = ctypes.CDLL(str(lib))
-    c.kvw_code_name.restype = ctypes.c_char_p
     arch = Architecture((LayerSpec("full_attention", 1, 64, 64),))
     bit0 = R.REQUIRED_FEATURES["codec_specs"]
     all3 = bit0 | ROT_BIT | TQ_BIT
@@ -222,18 +211,4 @@ def test_header_rules(lib):
         ((CodecSpec("fp8", rotation="sylvester"), k4), all3, "CODEC_SPEC_INVALID"),
         ((CodecSpec("int_affine", bits=3), k4), bit0 | ROT_BIT, "ENUM_OUT_OF_RANGE"),
     ]
-    for specs, bits, want in cases:
-        fb = forge.header_of(Header(arch, token_count=4, codec_specs=specs, required_features=bits,
-                                    format_minor=3))
-        try:
-            parse_header(fb)
-            ref = (None, None)
-        except FormatError as e:
-            ref = (e.code, e.rule)
-        assert ref[0] == want, specs
-        out, e = ctypes.c_void_p(), _Err()
-        code = c.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e))
-        if code == 0:
-            c.kvw_header_delete(out)
-        got = (None, None) if code == 0 else (c.kvw_code_name(code).decode(), e.rule.decode())
-        assert got == ref, specs
+    check_header_cases(lib, arch, cases, lambda bits: 3)

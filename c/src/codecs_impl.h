@@ -201,6 +201,9 @@ int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_
 int kvwc_qenc_int_f32(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                       const float *x, uint8_t *params, uint8_t *codes);
 
+/* codecs_rot.c: are the AVX2 rotation kernels built and does the CPU have AVX2 (run time)? */
+int kvwc_rot_use_avx2(void);
+
 /* codecs_rot_enc.c, shared with codecs_tq.c: the KVW-ROT-7 band of a spec and chunk (rows
  * whose largest magnitude is inside meet the rule by construction) and the check on the
  * decoded chunk for the others. */

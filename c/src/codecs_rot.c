@@ -50,7 +50,8 @@ void kvwc_rot_row_portable(float *y, uint64_t D, uint64_t B, float cb, const uin
         y[d] = kvwc_bits_f32(kvwc_f32_bits(y[d] * cb) ^ mask[d]);
 }
 
-static int use_avx2(void) {
+/* The AVX2 kernels of codecs_rot_avx2.c and codecs_tq_avx2.c: built, and the CPU has AVX2. */
+int kvwc_rot_use_avx2(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     return kvwc_rot_avx2_built() && __builtin_cpu_supports("avx2");
 #else
@@ -59,7 +60,7 @@ static int use_avx2(void) {
 }
 
 void kvwc_rot_row(float *y, uint64_t D, uint64_t B, float cb, const uint32_t *mask) {
-    if (B >= 8 && use_avx2())
+    if (B >= 8 && kvwc_rot_use_avx2())
         kvwc_rot_row_avx2(y, D, B, cb, mask);
     else
         kvwc_rot_row_portable(y, D, B, cb, mask);
@@ -162,7 +163,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
     uint64_t B = kvwc_rot_block(D);
     float cb = kvwc_rot_cb(B);
     if (rot) kvwc_rot_mask(s, D, mask); /* sylvester (1.3, codecs_tq.c): every sign + */
-    int avx2 = D % 8 == 0 && use_avx2(); /* whole registers per row */
+    int avx2 = D % 8 == 0 && kvwc_rot_use_avx2(); /* whole registers per row */
     /* The fused AVX2 row (codes straight to levels, scales read in place): codes of 2..4 bits,
      * scales per channel (tokens axis) or per register (channel groups of a multiple of 8). */
     uint16_t *grp = NULL;

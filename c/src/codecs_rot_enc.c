@@ -25,15 +25,6 @@
 
 static int fin(float f) { return (kvwc_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
-/* The AVX2 kernels of codecs_rot_avx2.c: built and the CPU has AVX2 (as codecs_rot.c). */
-static int use_avx2(void) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    return kvwc_rot_avx2_built() && __builtin_cpu_supports("avx2");
-#else
-    return 0;
-#endif
-}
-
 /* The forward rotation of every row of x ([rows, D]): signs, butterflies, then c_B. */
 static void rotate_rows(float *x, uint64_t rows, uint64_t D, const kvw_codec_spec *s,
                         uint32_t *mask) {
@@ -94,7 +85,7 @@ static kvw_code encode_gauss(const kvw_header *h, const kvw_codec_spec *s, const
         free(acc), free(flag);
         return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "int_affine: %llu groups", (unsigned long long)np);
     }
-    int avx2 = D % 8 == 0 && use_avx2();
+    int avx2 = D % 8 == 0 && kvwc_rot_use_avx2();
     uint64_t r8 = !tok && G % 8 == 0 && avx2 ? (H * M) / 8 * 8 : 0; /* rows by eights: lanes per row */
     for (uint64_t r = 0; r < r8; r += 8)
         kvwc_rot_sumsq8_avx2(x + r * D, D, G, acc + r * g->gd, flag + r * g->gd);
@@ -384,7 +375,7 @@ int kvwc_rot_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_
     if (!x) return 0;
     uint32_t *mask = (uint32_t *)(void *)(x + n);
     int ok = 1, suspect = 0;
-    if (D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && use_avx2()) {
+    if (D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && kvwc_rot_use_avx2()) {
         /* One pass a row: load, largest magnitude (finite, band), rotation; the same
          * refusals as below (either returns 0 for the careful path). */
         uint64_t B = kvwc_rot_block(D);

@@ -117,14 +117,6 @@ static void tq_rows(const uint8_t *u, const float *lv, const float *s, uint64_t 
     }
 }
 
-static int use_avx2(void) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    return kvwc_rot_avx2_built() && __builtin_cpu_supports("avx2");
-#else
-    return 0;
-#endif
-}
-
 kvw_code kvwc_tq_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                         const uint8_t *params, const uint8_t *codes, uint8_t *out,
                         kvw_error *err) {
@@ -167,7 +159,7 @@ kvw_code kvwc_tq_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
     float cb = kvwc_rot_cb(D); /* B = D: D is a power of two */
     if (rot) kvwc_rot_mask(s, D, mask);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    int avx2 = h->dtype == KVW_DTYPE_BF16 && D >= 8 && D <= 128 && use_avx2(); /* in registers */
+    int avx2 = h->dtype == KVW_DTYPE_BF16 && D >= 8 && D <= 128 && kvwc_rot_use_avx2(); /* in registers */
 #else
     int avx2 = 0;
 #endif
@@ -210,7 +202,7 @@ static int rows_in_band(const kvw_header *h, const kvw_codec_spec *s, const kvwc
     float hi;
     kvwc_rot_band(h, s, g, &lo, &hi);
     uint64_t D = g->D;
-    int avx2 = D % 8 == 0 && use_avx2();
+    int avx2 = D % 8 == 0 && kvwc_rot_use_avx2();
     for (uint64_t r = 0; r < g->H * g->M; r++) {
         uint32_t a = 0;
         const float *xr = x + r * D;
@@ -264,7 +256,7 @@ kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
     if (check) memcpy(x0, x, (size_t)n * sizeof(float));
     /* Norms first (vLLM's order: before the rotation); their scales and KVW-TQ-5. AVX2:
      * 8 rows' squares added in channel order a lane per row, the same sums. */
-    int avx2 = D >= 8 && use_avx2();
+    int avx2 = D >= 8 && kvwc_rot_use_avx2();
     float q8[ROWS];
     uint8_t live8[ROWS];
     for (uint64_t r = 0; !rc && r < rows; r++) {
@@ -337,7 +329,7 @@ int kvwc_tq_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_g
     uint64_t H = g->H, M = g->M, D = g->D, rowb = D * g->w, n = H * M * D;
     float *x = (float *)malloc((size_t)n * sizeof(float) + 4);
     if (!x) return 0;
-    int ok = 1, avx2 = D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && use_avx2();
+    int ok = 1, avx2 = D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && kvwc_rot_use_avx2();
     for (uint64_t r = 0; ok && r < H * M; r++) { /* the quantized rows, in fp32; all finite */
         const uint8_t *p = raw + ((r / M) * g->T + g->P + r % M) * rowb;
         float *y = x + r * D;
