@@ -333,7 +333,9 @@ kvw_code kvwc_lossy_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     if (s->codec == KVW_CODEC_FP8) return fp8_decode(h, s, g, params, codes, out, err);
     if (s->codebook == KVW_CODEBOOK_TURBOQUANT) /* revision 1.3: codecs_tq.c */
         return kvwc_tq_decode(h, s, g, params, codes, out, err);
-    if (kvw_codec_spec_uses_rotation(s)) /* revision 1.2: codecs_rot.c */
+    /* revision 1.2: codecs_rot.c; its fused AVX2 rows also decode unrotated 2-4 bit codes
+     * (no mask: no butterflies), the same operations as int_decode's loops, value for value */
+    if (kvw_codec_spec_uses_rotation(s) || kvwc_rot_fused_fits(s, g))
         return kvwc_rot_decode(h, s, g, params, codes, out, err);
     return int_decode(h, s, g, params, codes, out, err);
 }

@@ -132,6 +132,11 @@ static void store_row(uint8_t *dst, const float *x, size_t n, unsigned dtype, ui
 #endif
 }
 
+int kvwc_rot_fused_fits(const kvw_codec_spec *s, const kvwc_geom *g) {
+    return g->bits >= 2 && g->bits <= 4 && g->D % 8 == 0 && s->codec == KVW_CODEC_INT_AFFINE &&
+           (s->group_axis == KVW_GROUP_TOKENS || s->group_size % 8 == 0) && kvwc_rot_use_avx2();
+}
+
 kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                          const uint8_t *params, const uint8_t *codes, uint8_t *out,
                          kvw_error *err) {

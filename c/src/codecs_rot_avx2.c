@@ -22,16 +22,8 @@
 #define KVW_ROT_AVX2 1
 #define AVX2 __attribute__((target("avx2")))
 
-/* Stages h = 1, 2, 4 of one register of eight channels. s holds each element's partner;
- * lower positions take v + s (= a + b), upper ones s - v (= a - b, a the lower element). */
-AVX2 static inline __attribute__((always_inline)) __m256 stages_in(__m256 v) {
-    __m256 s = _mm256_permute_ps(v, 0xB1); /* partners at distance 1 */
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xAA);
-    s = _mm256_permute_ps(v, 0x4E); /* distance 2 */
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xCC);
-    s = _mm256_permute2f128_ps(v, v, 0x01); /* distance 4 */
-    return _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
-}
+#include "codecs_rot_simd.h" /* stages_in, tr8 */
+
 
 /* One block of NV registers (NV a power of two), all stages, in registers when NV is a
  * constant the compiler unrolls. */
@@ -285,21 +277,6 @@ AVX2 void kvwc_rot_enc_row_avx2(const uint8_t *src, unsigned dt, uint64_t D, uin
     for (uint64_t k = 0; k < D / 8; k++) _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(_mm256_loadu_ps(y + 8 * k), c));
 }
 
-/* 8x8 transpose: t[j] lane i = row i's element j. */
-AVX2 static inline __attribute__((always_inline)) void tr8(__m256 *t) {
-    __m256 a0 = _mm256_unpacklo_ps(t[0], t[1]), a1 = _mm256_unpackhi_ps(t[0], t[1]);
-    __m256 a2 = _mm256_unpacklo_ps(t[2], t[3]), a3 = _mm256_unpackhi_ps(t[2], t[3]);
-    __m256 a4 = _mm256_unpacklo_ps(t[4], t[5]), a5 = _mm256_unpackhi_ps(t[4], t[5]);
-    __m256 a6 = _mm256_unpacklo_ps(t[6], t[7]), a7 = _mm256_unpackhi_ps(t[6], t[7]);
-    __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
-    __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
-    __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
-    __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-    t[0] = _mm256_permute2f128_ps(b0, b4, 0x20), t[4] = _mm256_permute2f128_ps(b0, b4, 0x31);
-    t[1] = _mm256_permute2f128_ps(b1, b5, 0x20), t[5] = _mm256_permute2f128_ps(b1, b5, 0x31);
-    t[2] = _mm256_permute2f128_ps(b2, b6, 0x20), t[6] = _mm256_permute2f128_ps(b2, b6, 0x31);
-    t[3] = _mm256_permute2f128_ps(b3, b7, 0x20), t[7] = _mm256_permute2f128_ps(b3, b7, 0x31);
-}
 
 /* Sums of squares of 8 consecutive rows' channel groups (G % 8 == 0, D % 8 == 0), each a
  * = a + x * x in element order from 0 (a lane per row), and the groups' nonzero flags; the

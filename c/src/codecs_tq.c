@@ -237,6 +237,16 @@ static void pack_codes(const uint8_t *u, uint64_t i0, uint64_t n, unsigned b, ui
     }
 }
 
+/* The midpoints M of vLLM's table T = L * 2^-e for this D, in fp32 (2^b - 1 of them). */
+static void tq_midpoints(unsigned b, uint64_t D, float *mid) {
+    unsigned k = log2_of(D), nm = (1u << b) - 1u;
+    int e = ((int)k - ((k & 1) ? 7 : 6)) / 2; /* an even numerator: exact, no rounding */
+    float lv[16];
+    kvwc_tq_levels(b, D, lv);
+    for (unsigned j = 0; j <= nm; j++) lv[j] = ldexpf(lv[j], -e); /* exact: a power of two */
+    for (unsigned j = 0; j < nm; j++) mid[j] = (lv[j] + lv[j + 1]) / 2.0f;
+}
+
 kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                         float *x, uint8_t *body, kvw_error *err) {
     kvw_code rc = kvwc_tq_writer_fits(s, g, err);
@@ -290,13 +300,8 @@ kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
         free(x0);
         return rc;
     }
-    /* vLLM's table T = L * 2^-e for this D, and its midpoints in fp32. */
-    unsigned k = log2_of(D);
-    int e = ((int)k - ((k & 1) ? 7 : 6)) / 2; /* an even numerator: exact, no rounding */
-    float lv[16], mid[15];
-    kvwc_tq_levels(b, D, lv);
-    for (unsigned j = 0; j <= nm; j++) lv[j] = ldexpf(lv[j], -e); /* exact: a power of two */
-    for (unsigned j = 0; j < nm; j++) mid[j] = (lv[j] + lv[j + 1]) / 2.0f;
+    float mid[15];
+    tq_midpoints(b, D, mid);
     float cb = kvwc_rot_cb(D);
     if (rot) kvwc_rot_mask(s, D, mask);
     memset(codes, 0, (size_t)g->code_bytes); /* codes are or-ed in where rows share bytes */
@@ -324,21 +329,71 @@ kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
     return rc;
 }
 
+/* kvwc_tq_encode's steps on ROWS rows at a time while they sit in L1 (AVX2, D a power of two
+ * >= 8, bf16 or f32): load (exact), the largest magnitude (finite, inside the band), the
+ * sums of squares in channel order, norms and their scales, then each row's codes; the same
+ * values as the careful path's passes over the whole chunk. 0 wherever that path would check
+ * the decoded bytes or refuse: it then does it again and says why. */
+static int tq_fused(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+                    const uint8_t *raw, uint8_t *body) {
+    uint64_t M = g->M, D = g->D, rows = g->H * M, rowb = D * g->w;
+    unsigned b = s->bits, sd = s->scale_dtype;
+    uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;
+    float *y = (float *)malloc((size_t)(ROWS + 1) * (size_t)D * sizeof(float)), mid[15], cb = kvwc_rot_cb(D), hi;
+    if (!y) return 0;
+    uint32_t *mask = (uint32_t *)(void *)(y + ROWS * D);
+    int rot = s->rotation != KVW_ROTATION_NONE, ok = 1;
+    double lo;
+    tq_midpoints(b, D, mid);
+    kvwc_rot_band(h, s, g, &lo, &hi);
+    if (rot) kvwc_rot_mask(s, D, mask); /* every code byte is written: D * b % 8 == 0 */
+    for (uint64_t r0 = 0; ok && r0 < rows; r0 += ROWS) {
+        uint64_t R = rows - r0 < ROWS ? rows - r0 : ROWS;
+        float q[ROWS] = {0}, norm[ROWS];
+        uint8_t live[ROWS] = {0};
+        for (uint64_t i = 0; ok && i < R; i++) {
+            uint64_t r = r0 + i;
+            uint32_t a;
+            kvwc_rot_enc_row_avx2(raw + ((r / M) * g->T + g->P + r % M) * rowb, h->dtype, D, D, 1.0f, NULL,
+                                  y + i * D, &a);
+            ok = a < 0x7F800000u && kvwc_rot_in_band(a, lo, hi);
+        }
+        if (ok && R == ROWS) kvwc_rot_sumsq8_avx2(y, D, D, q, live);
+        else
+            for (uint64_t i = 0; ok && i < R; i++)
+                for (uint64_t d = 0; d < D; d++) {
+                    float v = y[i * D + d], sq = v * v;
+                    q[i] = q[i] + sq;
+                    live[i] |= v != 0.0f;
+                }
+        for (uint64_t i = 0; ok && i < R; i++) {
+            norm[i] = sqrtf(q[i]);
+            uint32_t sb = kvwc_nearest_bits(norm[i], sd);
+            float sf = kvwc_bits_value(sb, sd);
+            ok = (kvwc_f32_bits(sf) & 0x7F800000u) != 0x7F800000u && !(live[i] && sf == 0.0f); /* KVW-TQ-5 */
+            if (g->psize == 4) kvw_st32(params + 4 * (r0 + i), sb);
+            else kvw_st16(params + 2 * (r0 + i), (uint16_t)sb);
+        }
+        for (uint64_t i = 0; ok && i < R; i++)
+            kvwc_tq_enc_row_avx2(y + i * D, D, norm[i] + 1e-8f, rot ? mask : NULL, cb, mid, b,
+                                 codes + (r0 + i) * D * b / 8);
+    }
+    free(y);
+    return ok;
+}
+
 int kvwc_tq_qenc_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                       const uint8_t *raw, uint8_t *body) {
     uint64_t H = g->H, M = g->M, D = g->D, rowb = D * g->w, n = H * M * D;
+    if (kvwc_tq_writer_fits(s, g, NULL)) return 0; /* misuse: the careful path says so */
+    if (D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && kvwc_rot_use_avx2()) return tq_fused(h, s, g, raw, body);
     float *x = (float *)malloc((size_t)n * sizeof(float) + 4);
     if (!x) return 0;
-    int ok = 1, avx2 = D % 8 == 0 && h->dtype != KVW_DTYPE_F16 && kvwc_rot_use_avx2();
+    int ok = 1;
     for (uint64_t r = 0; ok && r < H * M; r++) { /* the quantized rows, in fp32; all finite */
         const uint8_t *p = raw + ((r / M) * g->T + g->P + r % M) * rowb;
         float *y = x + r * D;
-        uint32_t bad = 0, amax;
-        if (avx2) { /* bf16 or f32 to fp32 (exact), the magnitudes' largest bits */
-            kvwc_rot_enc_row_avx2(p, h->dtype, D, D, 1.0f, NULL, y, &amax);
-            ok = amax < 0x7F800000u;
-            continue;
-        }
+        uint32_t bad = 0;
         for (uint64_t d = 0; d < D; d++) {
             if (h->dtype == KVW_DTYPE_F32) y[d] = kvwc_bits_f32(kvw_ld32(p + 4 * d));
             else if (h->dtype == KVW_DTYPE_BF16) y[d] = kvwc_from_bf16(kvw_ld16(p + 2 * d));

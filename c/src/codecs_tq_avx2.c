@@ -4,7 +4,7 @@
  * encoder at a fifth of the 1 GB/s goal). The same fp32 operations as the portable loop, value
  * for value: y / den lane by lane, the sign xor, KVW-ROT-6's butterflies (kvwc_rot_row_avx2),
  * y * cb, then u = #{ j : y >= M_j } from ordered compares against the positive midpoints
- * (code8: the same counts, NaN 0 as the scalar >=), packed as KVW-ROT-3's little-endian bit string. Only the target attribute
+ * (code8: the same counts by a binary search), packed as KVW-ROT-3's little-endian bit string. Only the target attribute
  * differs from the portable build (no -march), so any x86-64 runs the library.
  */
 #include "fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
@@ -18,12 +18,18 @@
 
 #define AVX2 __attribute__((target("avx2")))
 
+#include "codecs_rot_simd.h" /* stages_in, tr8 */
+
 /* Register k's codes, lane i's shifted to bit b * i (the lanes' bits are disjoint). The
  * midpoints are symmetric (M_{h-1} = 0, M_{h-1-i} = -M_{h-1+i} exactly: fp32 sums and halves
  * keep signs), so #{ j : y >= M_j } is h + #{ i : m_i <= y } for y >= 0 (also -0) over the h - 1
- * positive ones m, and h - 1 - #{ i : m_i < |y| } for y < 0, where m < |y| is m <= the float
- * below |y| (|y| > 0: its bits minus 1); that count flips the b bits of h + count. NaN: 0, as
- * every scalar compare is false. Half the compares of counting all 2h - 1. */
+ * positive ones m, and h - 1 - #{ i : m_i < |y| } = h + ~#{ ... } for y < 0, where m < |y| is
+ * m <= the float below |y| (|y| > 0: its bits minus 1). The count of the sorted m_i <= a is a
+ * binary search over the compares a sequential count would make (m[0]: m_0.. then +inf a lane
+ * each, m[1] the same from m_1, m[2]: the middle one in every lane): 4 is counted when a >= m_3,
+ * then 2 when a >= m_{c+1}, then 1 when a >= m_c (b = 4; b = 3: the last two steps from m_1).
+ * y is never NaN: the rows are finite, den >= 1e-8 and |y / den| <= 1 (norm >= every |y|, up
+ * to its rounding), so the rotated values are finite too. */
 AVX2 static inline __attribute__((always_inline)) __m256i code8(__m256 y, __m256 c, const __m256 *m,
                                                                 unsigned b, __m256i sh) {
     unsigned h = 1u << (b - 1);
@@ -31,25 +37,20 @@ AVX2 static inline __attribute__((always_inline)) __m256i code8(__m256 y, __m256
     __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     __m256i ab = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
     __m256 a = _mm256_castsi256_ps(_mm256_add_epi32(ab, neg)); /* neg lanes: -1 */
-    __m256i j = _mm256_set1_epi32((int)h);
-#pragma GCC unroll 7
-    for (unsigned i = 0; i + 1 < h; i++) /* each compare is -1 or 0 */
-        j = _mm256_sub_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(a, m[i], _CMP_GE_OQ)));
-    j = _mm256_xor_si256(j, _mm256_and_si256(neg, _mm256_set1_epi32((int)(2 * h - 1))));
-    j = _mm256_and_si256(j, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+    __m256i n = _mm256_castps_si256(_mm256_cmp_ps(a, m[2], _CMP_GE_OQ));
+    if (b == 4) {
+        n = _mm256_and_si256(n, _mm256_set1_epi32(4)); /* m[2] = m_3 */
+        __m256 p = _mm256_permutevar8x32_ps(m[1], n); /* m_{n+1} */
+        n = _mm256_add_epi32(n, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(a, p, _CMP_GE_OQ)),
+                                                 _mm256_set1_epi32(2)));
+    } else {
+        n = _mm256_and_si256(n, _mm256_set1_epi32(2)); /* m[2] = m_1 */
+    }
+    n = _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_permutevar8x32_ps(m[0], n), _CMP_GE_OQ)));
+    __m256i j = _mm256_add_epi32(_mm256_xor_si256(n, neg), _mm256_set1_epi32((int)h));
     return _mm256_sllv_epi32(j, sh);
 }
 
-/* Stages h = 1, 2, 4 of one register (codecs_rot_avx2.c's, private there): lower positions
- * take v + s (= a + b), upper ones s - v (= a - b, a the lower element). */
-AVX2 static inline __attribute__((always_inline)) __m256 stages_in(__m256 v) {
-    __m256 s = _mm256_permute_ps(v, 0xB1); /* partners at distance 1 */
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xAA);
-    s = _mm256_permute_ps(v, 0x4E); /* distance 2 */
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xCC);
-    s = _mm256_permute2f128_ps(v, v, 0x01); /* distance 4 */
-    return _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
-}
 
 /* The row for a constant b (3 or 4): the compare loops unrolled. NV: D / 8 registers held in
  * registers (D <= 128, all of KVW-ROT-6's stages there, in their order); 0: through y. */
@@ -59,7 +60,7 @@ AVX2 static inline __attribute__((always_inline)) void enc_row(float *y, uint64_
                                                                const float *mid, unsigned b,
                                                                uint8_t *out, unsigned NV) {
     uint64_t nv = NV ? NV : D / 8, k = 0; /* NV = D / 8 when nonzero */
-    __m256 dv = _mm256_set1_ps(den), m[7], r[16];
+    __m256 dv = _mm256_set1_ps(den), m[3], r[16];
 #pragma GCC unroll 16
     for (uint64_t q = 0; q < nv; q++) {
         __m256 v = _mm256_div_ps(_mm256_loadu_ps(y + 8 * q), dv);
@@ -82,7 +83,9 @@ AVX2 static inline __attribute__((always_inline)) void enc_row(float *y, uint64_
         kvwc_rot_row_avx2(y, D, D, cb, NULL); /* the butterflies only */
     }
     __m256 c = _mm256_set1_ps(mask ? cb : 1.0f); /* y * 1: exact, the unrotated row as it is */
-    for (unsigned i = 0; i + 1 < (1u << (b - 1)); i++) m[i] = _mm256_set1_ps(mid[(1u << (b - 1)) + i]);
+    float tab[9];
+    for (unsigned i = 0; i < 9; i++) tab[i] = i + 1 < (1u << (b - 1)) ? mid[(1u << (b - 1)) + i] : INFINITY;
+    m[0] = _mm256_loadu_ps(tab), m[1] = _mm256_loadu_ps(tab + 1), m[2] = _mm256_set1_ps(tab[b == 4 ? 3 : 1]);
     __m256i sh = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)b));
     const __m128i take3 = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
 #pragma GCC unroll 4
@@ -125,21 +128,6 @@ AVX2 void kvwc_tq_enc_row_avx2(float *y, uint64_t D, float den, const uint32_t *
     ENC_FN[b == 4][i](y, D, den, mask, cb, mid, out);
 }
 
-/* 8x8 transpose: t[j] lane i = row i's element j (codecs_rot_avx2.c's, private there). */
-AVX2 static inline __attribute__((always_inline)) void tr8(__m256 *t) {
-    __m256 a0 = _mm256_unpacklo_ps(t[0], t[1]), a1 = _mm256_unpackhi_ps(t[0], t[1]);
-    __m256 a2 = _mm256_unpacklo_ps(t[2], t[3]), a3 = _mm256_unpackhi_ps(t[2], t[3]);
-    __m256 a4 = _mm256_unpacklo_ps(t[4], t[5]), a5 = _mm256_unpackhi_ps(t[4], t[5]);
-    __m256 a6 = _mm256_unpacklo_ps(t[6], t[7]), a7 = _mm256_unpackhi_ps(t[6], t[7]);
-    __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
-    __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
-    __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
-    __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-    t[0] = _mm256_permute2f128_ps(b0, b4, 0x20), t[4] = _mm256_permute2f128_ps(b0, b4, 0x31);
-    t[1] = _mm256_permute2f128_ps(b1, b5, 0x20), t[5] = _mm256_permute2f128_ps(b1, b5, 0x31);
-    t[2] = _mm256_permute2f128_ps(b2, b6, 0x20), t[6] = _mm256_permute2f128_ps(b2, b6, 0x31);
-    t[3] = _mm256_permute2f128_ps(b3, b7, 0x20), t[7] = _mm256_permute2f128_ps(b3, b7, 0x31);
-}
 
 AVX2 void kvwc_tq_sumsq8_avx2(const uint8_t *codes, unsigned b, const float *lv, uint64_t D, float *n) {
     uint8_t buf[8 * 128 * 4 / 8 + 4] = {0}; /* 4-byte loads past the last row's codes */
