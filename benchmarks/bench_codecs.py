@@ -41,8 +41,10 @@ import zstandard
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
+from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+
 import kvwire  # noqa: E402
-from kvwire.codecs import decode_chunk, quant  # noqa: E402
+from kvwire.codecs import decode_chunk, native, quant  # noqa: E402
 from kvwire.codecs.pipeline import lossy_range  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
 
@@ -50,7 +52,8 @@ CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int
           "kivi4", "kivi2",
           # revisions 1.2 and 1.3 (spec/codecs.md sections 8, 9): `kvwire plan` reads their figures here
           "hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2", "hadamard-lloyd-k3v2",
-          "kchan4-vlloyd4", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc"]
+          "kchan4-vlloyd4", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
+          "vllm-turboquant-3bit-nc", "vllm-int8-per-token-head"]
 LINK_GBPS = 10  # a 10 Gbps link carries 1.25 GB/s
 PREVIOUS = "34011f1cfc98b4f7540bcc7f3daa6b8dc2fb7952"  # numpy codecs before the #18 kernels
 
@@ -211,15 +214,19 @@ def render(meta: dict, rows: list, base: list, out: Path) -> None:
         "end (a 2-core VM shared with other jobs: absolute numbers are pessimistic and vary by up to 2x between "
         "runs; compare rows of one run).", "",
         "GB/s count decoded (raw) bytes. *load*: `Reader.load()` (checksums verified, one allocation, chunks "
-        "decoded into place); *body*: the codec alone over every stored body (fresh output per chunk). "
+        "decoded into place); *body*: the codec alone over every stored body (fresh output per chunk); "
+        "*native*: encode and `Reader.load(threads=1)` again with libkvwire's codecs on (`KVWIRE_NATIVE=1`; "
+        "`kvwire plan` reads this column when native decoding is on). "
+        f"CPU: {meta.get('cpu', '?')}. "
         f"A {LINK_GBPS} Gbps link carries {LINK_GBPS / 8:.2f} GB/s.", "",
-        "| codec | ratio | encode GB/s | load GB/s | body decode GB/s | rel. RMSE | max abs err |",
-        "|---|---|---|---|---|---|---|",
+        "| codec | ratio | encode GB/s | load GB/s | body decode GB/s | native encode | native load | rel. RMSE | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r_ in rows:
         body = "—" if r_["codec"] == "raw" else f"{r_['decode_body_gbs']:.2f}"
+        nat = (f"{r_['native_encode_gbs']:.2f} | {r_['native_load_gbs']:.2f}" if "native_load_gbs" in r_ else "— | —")
         lines.append(f"| `{r_['codec']}` | {r_['ratio']:.2f} | {r_['encode_gbs']:.2f} | {r_['load_gbs']:.2f} | "
-                     f"{body} | {r_['rel_rmse']:.2e} | {r_['max_abs_err']:.3g} |")
+                     f"{body} | {nat} | {r_['rel_rmse']:.2e} | {r_['max_abs_err']:.3g} |")
     lines += ["", "Baselines (each chunk's raw bytes as one frame, as the `zstd` codec stores them):", "",
               "| compressor | ratio | encode GB/s | decode GB/s |", "|---|---|---|---|"]
     for r_ in base:
@@ -289,6 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--out", default=str(HERE / "results" / "codecs"))
     ap.add_argument("--render", action="store_true", help="only rewrite codecs.md from codecs.json")
+    ap.add_argument("--no-native", action="store_true", help="numpy only (default: also libkvwire when built)")
     ap.add_argument("--previous", default=PREVIOUS, help="commit whose lossy kernels are paired against (\"\": none)")
     a = ap.parse_args(argv)
     if a.render:
@@ -299,6 +307,7 @@ def main(argv=None) -> int:
     raw = sum(layer[c].nbytes for layer in cache.layers for c in ("k", "v"))
     load = os.getloadavg()
     rows = []
+    lib = None if a.no_native or not native.DEFAULT_PATH.exists() else native.DEFAULT_PATH
     old = previous_quant(a.previous) if a.previous else None
     chunk_elems = a.heads * a.head_dim * cache.header.chunk_tokens
     t_pass = one_pass_s(chunk_elems)
@@ -328,11 +337,20 @@ def main(argv=None) -> int:
         tb = timed(body_only, a.repeat)
         row = {"codec": name, "ratio": raw / size, "encode_gbs": raw / te[0] / 1e9, "load_gbs": raw / td[0] / 1e9,
                "decode_body_gbs": raw / tb[0] / 1e9, **error_stats(cache, r.load())}
+        if lib is not None:  # the same two calls through libkvwire, one thread (`kvwire plan` reads these with native on)
+            native.enable(lib)
+            try:
+                ne = timed(enc, a.repeat)
+                nd = timed(lambda r=r: r.load(threads=1), a.repeat)
+            finally:
+                native.disable()
+            row.update(native_encode_gbs=raw / ne[0] / 1e9, native_load_gbs=raw / nd[0] / 1e9)
         if old is not None:
             row["paired"] = paired(cache, r, old)
         rows.append(row)
         print(f"{name:16s} ratio {row['ratio']:5.2f}  encode {row['encode_gbs']:6.2f}  load {row['load_gbs']:6.2f}  "
-              f"body decode {row['decode_body_gbs']:6.2f} GB/s  rel.rmse {row['rel_rmse']:.2e}  "
+              + (f"native encode {row['native_encode_gbs']:6.2f}  load {row['native_load_gbs']:6.2f}  " if lib else "")
+              + f"body decode {row['decode_body_gbs']:6.2f} GB/s  rel.rmse {row['rel_rmse']:.2e}  "
               + "  ".join(f"{k} {v['old_gbs']:.2f}->{v['new_gbs']:.2f} x{v['speedup']:.2f}"
                           for k, v in row.get("paired", {}).items()), flush=True)
         r.close()
@@ -362,7 +380,7 @@ def main(argv=None) -> int:
     meta = {"raw_bytes": raw, "shape": [a.layers, a.heads, a.tokens, a.head_dim], "repeat": a.repeat,
             "previous": a.previous if old is not None else None, "chunk_elements": chunk_elems,
             "one_pass_us": t_pass * 1e6, "stages_us": stage_us,
-            "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
+            "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(), "cpu": cpu_model(), "native": str(lib) if lib else None,
             "python": platform.python_version(), "numpy": np.__version__, "zstandard": zstandard.__version__,
             "lz4": getattr(lz4f, "__version__", None) if lz4f else None}
     out = Path(a.out)

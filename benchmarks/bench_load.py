@@ -33,6 +33,8 @@ import xxhash
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
+from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+
 import kvwire  # noqa: E402
 from kvwire.codecs import native  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     raw = sum(layer[c].nbytes for layer in cache.layers for c in ("k", "v"))
     meta = {"layers": a.layers, "heads": a.heads, "head_dim": a.head_dim, "tokens": a.tokens, "rounds": a.rounds,
             "threads": a.threads, "cache_mib": raw / 2**20, "load": [round(x, 2) for x in os.getloadavg()],
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
+            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python "
                        f"{platform.python_version()}, numpy {np.__version__}"}
     rows = []
     for name in a.codecs.split(","):

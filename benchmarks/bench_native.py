@@ -39,6 +39,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
+from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+
 import kvwire
 from kvwire import CodecSpec
 from kvwire.codecs import decode_chunk, native, quant
@@ -52,8 +54,9 @@ from kvwire.tools.synth import synth_cache
 
 CODECS = ["zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2", "hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2",
-          "hadamard-lloyd-k3v2", "hadamard-int2-tokens", "hadamard-int3-tokens", "kchan3-vlloyd2",
-          "vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc"]
+          "hadamard-lloyd-k3v2", "hadamard-int2-tokens", "hadamard-int3-tokens", "kchan4-vlloyd4",
+          "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc", "vllm-turboquant-3bit-nc",
+          "vllm-int8-per-token-head"]
 METHODS = ["numpy", "native_hook", "native_1t", "native_2t"]
 GOAL_1, GOAL_2, GOAL_2_CODECS, GOAL_ENC = 1.25, 3.0, ("int8", "fp8", "byteplane"), 1.0
 
@@ -83,8 +86,12 @@ ENCODE = {  # name -> spec (lossless stage "raw": the stage is zstd's, measured 
     # revision 1.2 (spec/codecs.md section 8): rotation, Gaussian codebook, 3-bit codes
     **{n: PRESETS[n] for n in ("hadamard-int4-g32", "hadamard-lloyd4", "hadamard-lloyd3", "hadamard-lloyd2")},
     **ROT_TOKENS,
+    # the kchan presets' keys: per channel over groups of 64 tokens (their values are lloyd4/lloyd2)
+    **{f"{n} (K)": resolve(PRESETS[n], "k") for n in ("kchan4-vlloyd4", "kchan3-vlloyd2")},
     # revision 1.3 (section 9): vLLM's turboquant keys
     **{f"{n} (K)": resolve(PRESETS[n], "k") for n in ("vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc")},
+    **{f"{n} (V)": resolve(PRESETS[n], "v") for n in ("vllm-turboquant-4bit-nc", "vllm-turboquant-3bit-nc")},
+    "vllm-int8-per-token-head": PRESETS["vllm-int8-per-token-head"],
 }
 
 
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
     raw = sum(layer[c].nbytes for layer in cache.layers for c in ("k", "v"))
     meta = {"layers": a.layers, "heads": a.heads, "head_dim": a.head_dim, "tokens": a.tokens, "rounds": a.rounds,
             "cache_mib": raw / 2**20, "load": [round(x, 2) for x in os.getloadavg()],
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
+            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python "
                        f"{platform.python_version()}, numpy {np.__version__}"}
     rows = []
     for name in a.codecs.split(","):

@@ -67,7 +67,10 @@ NOTES = """Reading the tables:
   to what 4-bit codes can do: halving a uniform quantizer's error costs about one bit per element
   (`kchan8-vint4-g32-zstd`, 8-bit keys, reaches 0.40-0.56 of int4-g32's error but only 2.3-2.7x),
   and the Gaussian codebook's one scale per 128 channels (4.125 bits) trades error for ratio
-  against int4-g32's scale and minimum per 32 channels (5 bits). `kchan4-vlloyd4` is the 4-bit
+  against int4-g32's scale and minimum per 32 channels (5 bits). The values alone use up the
+  goal's budget: with the keys kept exact (`lloyd4-v-only`, values `hadamard-lloyd4` at 4.125
+  bits) the error is already 0.54x on (a) and 0.67x on (b), so 3.5x at 0.5x would need values
+  better than 4-bit codes give and keys better still in the same 4.57 bits. `kchan4-vlloyd4` is the 4-bit
   preset that holds on all three sources (>= 3.5x; 0.96-1.05x int4-g32's error on (a) and (b),
   0.23x on (c)); `kchan3-vlloyd2` the 2-3 bit one (>= 5.3x, top-1 >= 97% on (a) and (c))."""
 

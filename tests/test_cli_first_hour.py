@@ -157,7 +157,8 @@ def test_plan_codec_names_read_benchmark_figures(tmp_path):
     assert status == 0
     d = _strict_json(out)
     assert d["codecs"][0] == {"name": "int8", "bits_per_element": 8.0, "decode_gbps": 3.5,
-                              "source": f"read from {bench} (bench_codecs.py, bf16 synthetic cache)"}
+                              "source": f"read from {bench} (bench_codecs.py, bf16 synthetic cache, load through the numpy "
+                                        "reference codecs)"}
     assert d["codecs"][1]["decode_gbps"] is None  # raw: used in place, no decode step
     assert d["codecs"][2] == {"name": "mine", "bits_per_element": 3.0, "decode_gbps": 7.0,
                               "source": "given on the command line"}
@@ -166,12 +167,39 @@ def test_plan_codec_names_read_benchmark_figures(tmp_path):
     assert sum(r["tokens"] for r in d["runs"]) == 131072
 
 
+def test_plan_reads_the_native_column_when_native_decoding_is_on(tmp_path, lib):
+    """With libkvwire on, a receiver decodes at the benchmark's native speed; a row measured
+    without libkvwire is measured here rather than priced at numpy's speed."""
+    from kvwire.codecs import native
+
+    bench = tmp_path / "codecs.json"
+    bench.write_text(json.dumps({"codecs": [
+        {"codec": "hadamard-lloyd3", "ratio": 4.0, "load_gbs": 0.2, "native_load_gbs": 3.0, "max_abs_err": 0.5},
+        {"codec": "int8", "ratio": 2.0, "load_gbs": 1.5, "max_abs_err": 0.1}]}))
+    args = ("--json", "--prefill-tokens-per-s", PPS, "--codec", "hadamard-lloyd3", "--codec", "int8",
+            "--bench-results", bench, "--model", "4:2:64:8:1e8", "--context", "2048")
+    native.enable(lib)
+    try:
+        status, out = _plan(*args)
+    finally:
+        native.disable()
+    assert status == 0
+    rot, i8 = _strict_json(out)["codecs"]
+    assert rot == {"name": "hadamard-lloyd3", "bits_per_element": 4.0, "decode_gbps": 3.0,
+                   "source": f"read from {bench} (bench_codecs.py, bf16 synthetic cache, load through the libkvwire "
+                                     "codecs (native on))"}
+    assert i8["source"].startswith("measured now through the libkvwire codecs (native on): 4 layers")
+    status, out = _plan(*args)  # native off again: the numpy column
+    assert status == 0 and _strict_json(out)["codecs"][0]["decode_gbps"] == 0.2
+
+
 def test_plan_measures_codecs_when_asked_or_without_figures(tmp_path):
     status, out = _plan("--json", "--prefill-tokens-per-s", PPS, "--codec", "int8", "--measure", "--model",
                         "4:2:64:8:1e8", "--context", "2048")
     assert status == 0
     c = _strict_json(out)["codecs"][0]
-    assert c["source"].startswith("measured now: 4 layers x 2 kv heads x 1024 tokens x 64 bf16 synthetic cache")
+    assert c["source"].startswith("measured now through the numpy reference codecs: 4 layers x 2 kv heads x 1024 "
+                                  "tokens x 64 bf16 synthetic cache")
     assert 8.0 < c["bits_per_element"] < 9.0 and 0 < c["decode_gbps"] < math.inf
 
 

@@ -201,5 +201,10 @@ def test_per_token_head_round_trip_and_decode(cache_dtype):
             assert np.abs(mine - want).max() <= 2 ** -8 * np.abs(want).max()
     with pytest.raises(ValueError, match="zero point"):
         VT.per_token_head_to_container(h, layers, "int4_per_token_head")
+    for nvfp4 in ("nvfp4", "nvfp4_4over6"):  # named, with the reason, by both entry points
+        with pytest.raises(ValueError, match="is not carried: its fp8 block scales"):
+            VT.per_token_head_to_container(h, layers, nvfp4)
+        with pytest.raises(ValueError, match="is not carried: its fp8 block scales"):
+            VT.slot_layout(nvfp4, 128)
     with pytest.raises(ValueError, match="need 1-byte codes"):
         VT.per_token_head_to_container(h, [(kc[:-1], ks, vc, vs)] * 2, cache_dtype)
