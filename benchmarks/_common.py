@@ -20,3 +20,21 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cache_shape_args(ap, *, layers: int = 32, tokens: int = 2048) -> None:
+    """--layers, --heads, --head-dim, --tokens: the synthetic cache's shape (default: the
+    Llama-3-8B-shaped 256 MiB cache at 32 layers x 8 KV heads x 2048 tokens x 128)."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=tokens)
+
+
+def model_eval_args(ap) -> None:
+    """--prompts, --prompt-tokens, --continuation, --greedy: how a model reads a decoded cache
+    in the fidelity benchmarks (the same defaults, so their tables compare)."""
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=960)
+    ap.add_argument("--continuation", type=int, default=64, help="teacher-forced tokens scored for KL / top-1")
+    ap.add_argument("--greedy", type=int, default=32, help="greedy tokens compared (0: skip)")

@@ -32,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 
+from _common import cache_shape_args  # noqa: E402 (benchmarks/_common.py)
+
 import kvwire  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
 
@@ -83,10 +85,7 @@ def fmt_time(ns):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8, help="KV heads")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=2048)
+    cache_shape_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per row (after 1 warm-up)")
     ap.add_argument("--inner-open", type=int, default=200, help="open calls averaged per C sample")

@@ -41,7 +41,7 @@ import zstandard
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+from _common import cache_shape_args, cpu_model  # noqa: E402 (benchmarks/_common.py)
 
 import kvwire  # noqa: E402
 from kvwire.codecs import decode_chunk, native, quant  # noqa: E402
@@ -288,10 +288,7 @@ def render(meta: dict, rows: list, base: list, out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=2048)
+    cache_shape_args(ap)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--out", default=str(HERE / "results" / "codecs"))

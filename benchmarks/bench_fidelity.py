@@ -30,6 +30,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
+
+from _common import model_eval_args  # noqa: E402 (benchmarks/_common.py)
 sys.path.insert(0, str(HERE / "fidelity"))
 
 import kvwire  # noqa: E402
@@ -180,10 +182,7 @@ def main(argv=None) -> int:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=960)
-    ap.add_argument("--continuation", type=int, default=64)
-    ap.add_argument("--greedy", type=int, default=32)
+    model_eval_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 wastes least on a busy machine)")

@@ -39,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+from _common import cache_shape_args, cpu_model  # noqa: E402 (benchmarks/_common.py)
 
 import kvwire
 from kvwire import CodecSpec
@@ -212,10 +212,7 @@ def render(meta: dict, rows: list, out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=2048)
+    cache_shape_args(ap, layers=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--no-encode", action="store_true", help="skip the lossy encoding table")

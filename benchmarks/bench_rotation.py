@@ -29,6 +29,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
+
+from _common import model_eval_args  # noqa: E402 (benchmarks/_common.py)
 sys.path.insert(0, str(HERE / "fidelity"))
 sys.path.insert(0, str(HERE))
 
@@ -187,10 +189,7 @@ def main(argv=None) -> int:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=960)
-    ap.add_argument("--continuation", type=int, default=64)
-    ap.add_argument("--greedy", type=int, default=32)
+    model_eval_args(ap)
     ap.add_argument("--minilm-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sources", default="trained,minilm,outliers")

@@ -37,6 +37,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
+from _common import cache_shape_args  # noqa: E402 (benchmarks/_common.py)
+
 import kvwire  # noqa: E402
 from kvwire import stream  # noqa: E402
 from kvwire.tools.synth import synth_cache  # noqa: E402
@@ -184,10 +186,7 @@ def cpu_busy(fn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=2048)
+    cache_shape_args(ap)
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--work-ms", type=float, default=None,
                     help="per-layer consumer work for the overlap rows (default: 1.5x the per-layer transfer time)")
