@@ -334,7 +334,7 @@ def main(argv=None) -> int:
         tb = timed(body_only, a.repeat)
         row = {"codec": name, "ratio": raw / size, "encode_gbs": raw / te[0] / 1e9, "load_gbs": raw / td[0] / 1e9,
                "decode_body_gbs": raw / tb[0] / 1e9, **error_stats(cache, r.load())}
-        if lib is not None:  # the same two calls through libkvwire, one thread (`kvwire plan` reads these with native on)
+        if lib is not None:  # the same two calls through libkvwire, one thread (`kvwire plan` reads them, native on)
             native.enable(lib)
             try:
                 ne = timed(enc, a.repeat)
@@ -377,7 +377,8 @@ def main(argv=None) -> int:
     meta = {"raw_bytes": raw, "shape": [a.layers, a.heads, a.tokens, a.head_dim], "repeat": a.repeat,
             "previous": a.previous if old is not None else None, "chunk_elements": chunk_elems,
             "one_pass_us": t_pass * 1e6, "stages_us": stage_us,
-            "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(), "cpu": cpu_model(), "native": str(lib) if lib else None,
+            "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
+            "cpu": cpu_model(), "native": str(lib) if lib else None,
             "python": platform.python_version(), "numpy": np.__version__, "zstandard": zstandard.__version__,
             "lz4": getattr(lz4f, "__version__", None) if lz4f else None}
     out = Path(a.out)

@@ -157,8 +157,8 @@ def test_plan_codec_names_read_benchmark_figures(tmp_path):
     assert status == 0
     d = _strict_json(out)
     assert d["codecs"][0] == {"name": "int8", "bits_per_element": 8.0, "decode_gbps": 3.5,
-                              "source": f"read from {bench} (bench_codecs.py, bf16 synthetic cache, load through the numpy "
-                                        "reference codecs)"}
+                              "source": f"read from {bench} (bench_codecs.py, bf16 synthetic cache, load through "
+                                        "the numpy reference codecs)"}
     assert d["codecs"][1]["decode_gbps"] is None  # raw: used in place, no decode step
     assert d["codecs"][2] == {"name": "mine", "bits_per_element": 3.0, "decode_gbps": 7.0,
                               "source": "given on the command line"}

@@ -214,9 +214,9 @@ PER_TOKEN_HEAD = {"int8_per_token_head": "vllm-int8-per-token-head", "fp8_per_to
 REFUSED["int4_per_token_head"] = "its zero point hides in the low mantissa bits of the f32 scale"
 # FlashInfer's fp4 pages: the page layout is read (docs/engine-caches.md 2.1), but the block
 # scales' swizzle and the global scale are set by CUDA kernels no CPU run can check
-for _nvfp4 in ("nvfp4", "nvfp4_4over6"):
-    REFUSED[_nvfp4] = ("its fp8 block scales are written by FlashInfer's CUDA kernels and its global scale comes "
-                       "from the checkpoint, neither checked against a GPU run yet (docs/engine-caches.md 2.1)")
+REFUSED.update(dict.fromkeys(("nvfp4", "nvfp4_4over6"), "its fp8 block scales are written by FlashInfer's CUDA "
+                             "kernels and its global scale comes from the checkpoint, neither checked against a GPU "
+                             "run yet (docs/engine-caches.md 2.1)"))
 
 
 def _pth_preset(cache_dtype: str, fp8_format: str):

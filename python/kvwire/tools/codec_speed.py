@@ -79,7 +79,7 @@ def read_bench(path: Path, native_on: bool = False) -> dict:
 
 def measure(name: str, kv_heads: int, head_dim: int, dtype: str, chunk_tokens: int,
             layers: int = MEASURE_LAYERS, tokens: int = MEASURE_TOKENS, repeat: int = MEASURE_REPEAT) -> CodecCost:
-    """Bits per element and ``Reader.load`` GB/s (decoded bytes; median of ``repeat``) of
+    """Bits per element and ``Reader.load(threads=1)`` GB/s (decoded bytes; median of ``repeat``) of
     ``name`` on a seeded synthetic cache of ``layers`` x ``kv_heads`` x ``tokens`` x
     ``head_dim`` (few layers: both numbers are per element, the layer count does not change them)."""
     cache = synth_cache(layers, kv_heads, head_dim, tokens, dtype=dtype, chunk_tokens=chunk_tokens)
@@ -87,11 +87,11 @@ def measure(name: str, kv_heads: int, head_dim: int, dtype: str, chunk_tokens: i
     elements = 2 * layers * kv_heads * head_dim * tokens
     times = []
     with kv_open(blob) as r:  # warm-up: first-call costs (imports, allocator) are not the codec's
-        r.load()
-    for _ in range(repeat):
+        r.load(threads=1)
+    for _ in range(repeat):  # one thread, as bench_codecs.py measures (native on: otherwise one per CPU)
         t0 = time.perf_counter()
         with kv_open(blob) as r:
-            r.load()
+            r.load(threads=1)
         times.append(time.perf_counter() - t0)
     seconds = sorted(times)[len(times) // 2]
     nbytes = elements * R.dtype_info(dtype)[1]
@@ -120,7 +120,7 @@ def resolve(names, *, kv_heads: int, head_dim: int, dtype: str, chunk_tokens: in
                                                 f"load through the {decoder})"))
         else:
             out.append(SourcedCost(measure(name, kv_heads, head_dim, dtype, chunk_tokens),
-                                   f"measured now through the {decoder}: {MEASURE_LAYERS} layers x {kv_heads} kv heads x "
-                                   f"{MEASURE_TOKENS} tokens x {head_dim} {dtype} synthetic cache, Reader.load "
-                                   f"median of {MEASURE_REPEAT}"))
+                                   f"measured now through the {decoder}: {MEASURE_LAYERS} layers x {kv_heads} kv "
+                                   f"heads x {MEASURE_TOKENS} tokens x {head_dim} {dtype} synthetic cache, "
+                                   f"Reader.load on one thread, median of {MEASURE_REPEAT}"))
     return out
