@@ -142,6 +142,16 @@ INL void pack_bits(const uint8_t *c, size_t n, unsigned b, uint8_t *out) {
         out[j / 4] = (uint8_t)(c[j] | (c[j + 1] << 2) | (c[j + 2] << 4) | (c[j + 3] << 6));
 }
 
+/* 8 codes of 3 bits (low bits of the lanes) as the 3 bytes at o, least significant first (ROT-3). */
+INL void store3(uint8_t *o, __m256i q) {
+    __m256i v = _mm256_sllv_epi32(q, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+    __m128i t = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_or_si128(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_or_si128(t, _mm_shuffle_epi32(t, 0xB1));
+    uint32_t u = (uint32_t)_mm_cvtsi128_si32(t);
+    o[0] = (uint8_t)u, o[1] = (uint8_t)(u >> 8), o[2] = (uint8_t)(u >> 16);
+}
+
 INL void codes_dt(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned dt, const float *zv,
                   const float *den, int sym, unsigned b, uint8_t *out) {
     size_t w = dt == KVW_DTYPE_F32 ? 4 : 2, gd = (D + G - 1) / G;
@@ -151,7 +161,7 @@ INL void codes_dt(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned d
     uint8_t cb[KVWC_QCH_MAXD];
     for (size_t r = 0; r < nr; r++) {
         const uint8_t *row = rows + r * D * w;
-        uint8_t *dst = b == 8 ? out + r * D : cb;
+        uint8_t *o = out + r * D * b / 8, *dst = b == 8 ? o : cb;
         for (size_t c = 0; c < gd; c++) {
             size_t d0 = c * G, n = D - d0 < G ? D - d0 : G;
             const uint8_t *p = row + d0 * w;
@@ -160,10 +170,12 @@ INL void codes_dt(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned d
                 __m256 x = to_f32(load_raw(p + i * w, dt), dt);
                 __m256 y = _mm256_div_ps(sym ? x : _mm256_sub_ps(x, z), dv);
                 y = _mm256_max_ps(_mm256_min_ps(y, qmax), loc);
-                store_bytes8(dst + d0 + i, _mm256_add_epi32(_mm256_cvtps_epi32(y), half));
+                __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(y), half);
+                if (b == 3) store3(o + 3 * (d0 + i) / 8, q); /* d0 + i: a multiple of 8 (G % 8 == 0) */
+                else store_bytes8(dst + d0 + i, q);
             }
         }
-        if (b != 8) pack_bits(cb, D, b, out + r * D * b / 8);
+        if (b == 4 || b == 2) pack_bits(cb, D, b, o);
     }
 }
 void kvwc_qch_codes_avx2(const uint8_t *rows, size_t nr, size_t D, size_t G, unsigned dt,
@@ -214,14 +226,6 @@ int kvwc_qtok_extremes_avx2(const uint8_t *rows, size_t nr, size_t rowb, size_t 
            : dt == KVW_DTYPE_F16 ? tok_extremes_dt(rows, nr, rowb, D, KVW_DTYPE_F16, mn, mx)
                                  : tok_extremes_dt(rows, nr, rowb, D, KVW_DTYPE_F32, mn, mx);
 }
-/* 8 codes of 3 bits (low bits of the lanes) as 3 bytes, least significant first (ROT-3). */
-INL uint32_t join3(__m256i q) {
-    __m256i v = _mm256_sllv_epi32(q, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
-    __m128i o = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0x4E));
-    o = _mm_or_si128(o, _mm_shuffle_epi32(o, 0xB1));
-    return (uint32_t)_mm_cvtsi128_si32(o);
-}
 INL void tok_codes_dt(const uint8_t *rows, size_t nr, size_t rowb, size_t D, unsigned dt, const float *zv,
                       const float *den, int sym, unsigned b, uint8_t *out) {
     size_t w = dt == KVW_DTYPE_F32 ? 4 : 2;
@@ -237,12 +241,8 @@ INL void tok_codes_dt(const uint8_t *rows, size_t nr, size_t rowb, size_t D, uns
             __m256 y = _mm256_div_ps(sym ? x : _mm256_sub_ps(x, _mm256_loadu_ps(zv + d)), _mm256_loadu_ps(den + d));
             y = _mm256_max_ps(_mm256_min_ps(y, qmax), loc);
             __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(y), half);
-            if (b == 3) {
-                uint32_t v = join3(q);
-                o[3 * d / 8] = (uint8_t)v, o[3 * d / 8 + 1] = (uint8_t)(v >> 8), o[3 * d / 8 + 2] = (uint8_t)(v >> 16);
-            } else {
-                store_bytes8(dst + d, q);
-            }
+            if (b == 3) store3(o + 3 * d / 8, q);
+            else store_bytes8(dst + d, q);
         }
         if (b == 4 || b == 2) pack_bits(cb, D, b, o);
     }

@@ -293,7 +293,7 @@ INL int int_fast(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *
     if (q.lo < 4 * SMALLEST[bd]) q.lo = 4 * SMALLEST[bd];
     (void)h;
     int chan = s->group_axis != KVW_GROUP_TOKENS;
-    int vec = chan && s->group_size % 8 == 0 && g->D % 8 == 0 && s->bits != 3 && use_avx2(); /* packs 8/4/2 */
+    int vec = chan && s->group_size % 8 == 0 && g->D % 8 == 0 && use_avx2(); /* packs 8/4/3/2 */
     int vtok = !chan && g->D % 8 == 0 && use_avx2(); /* the extremes kernel checks finiteness */
     for (uint64_t hh = 0; !vec && !vtok && hh < g->H; hh++) /* LOSSY-6: the careful path says which element */
         if (max_abs_bits(raw + (hh * g->T + g->P) * g->D * g->w, (size_t)(g->M * g->D), dt) >=
