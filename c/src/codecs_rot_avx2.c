@@ -24,7 +24,6 @@
 
 #include "codecs_rot_simd.h" /* stages_in, tr8 */
 
-
 /* One block of NV registers (NV a power of two), all stages, in registers when NV is a
  * constant the compiler unrolls. */
 AVX2 static inline __attribute__((always_inline)) void block_nv(float *y, unsigned NV) {
@@ -276,7 +275,6 @@ AVX2 void kvwc_rot_enc_row_avx2(const uint8_t *src, unsigned dt, uint64_t D, uin
     __m256 c = _mm256_set1_ps(cb);
     for (uint64_t k = 0; k < D / 8; k++) _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(_mm256_loadu_ps(y + 8 * k), c));
 }
-
 
 /* Sums of squares of 8 consecutive rows' channel groups (G % 8 == 0, D % 8 == 0), each a
  * = a + x * x in element order from 0 (a lane per row), and the groups' nonzero flags; the

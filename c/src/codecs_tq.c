@@ -247,6 +247,29 @@ static void tq_midpoints(unsigned b, uint64_t D, float *mid) {
     for (unsigned j = 0; j < nm; j++) mid[j] = (lv[j] + lv[j + 1]) / 2.0f;
 }
 
+/* A row's sum of squares in channel order (KVW-TQ-4's order, the chains the AVX2 kernel
+ * runs a lane per row) and whether it holds a nonzero element. */
+static float row_sumsq(const float *xr, uint64_t D, int *live) {
+    float q = 0.0f;
+    int nz = 0;
+    for (uint64_t d = 0; d < D; d++) {
+        float sq = xr[d] * xr[d];
+        q = q + sq;
+        nz |= xr[d] != 0.0f;
+    }
+    *live = nz;
+    return q;
+}
+
+/* A row norm's bits in the scale dtype (nearest, ties to even) and KVW-TQ-5's verdict: 0 it
+ * fits, 1 it is beyond the scale dtype, 2 a nonzero row's norm rounds to 0. */
+static int norm_scale(float norm, unsigned sd, int live, uint32_t *sb) {
+    *sb = kvwc_nearest_bits(norm, sd);
+    float sf = kvwc_bits_value(*sb, sd);
+    if ((kvwc_f32_bits(sf) & 0x7F800000u) == 0x7F800000u) return 1;
+    return live && sf == 0.0f ? 2 : 0;
+}
+
 kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                         float *x, uint8_t *body, kvw_error *err) {
     kvw_code rc = kvwc_tq_writer_fits(s, g, err);
@@ -271,25 +294,18 @@ kvw_code kvwc_tq_encode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
     uint8_t live8[ROWS];
     for (uint64_t r = 0; !rc && r < rows; r++) {
         const float *xr = x + r * D;
-        float q = 0.0f;
-        int live = 0;
+        float q;
+        int live;
         if (avx2 && r % ROWS == 0 && rows - r >= ROWS) kvwc_rot_sumsq8_avx2(xr, D, D, q8, live8);
-        if (avx2 && rows - r + r % ROWS >= ROWS) {
-            q = q8[r % ROWS], live = live8[r % ROWS];
-        } else {
-            for (uint64_t d = 0; d < D; d++) {
-                float sq = xr[d] * xr[d];
-                q = q + sq;
-                live |= xr[d] != 0.0f;
-            }
-        }
+        if (avx2 && rows - r + r % ROWS >= ROWS) q = q8[r % ROWS], live = live8[r % ROWS];
+        else q = row_sumsq(xr, D, &live);
         norm[r] = sqrtf(q);
-        uint32_t sb = kvwc_nearest_bits(norm[r], sd);
-        float sf = kvwc_bits_value(sb, sd);
-        if ((kvwc_f32_bits(sf) & 0x7F800000u) == 0x7F800000u)
+        uint32_t sb;
+        int verdict = norm_scale(norm[r], sd, live, &sb);
+        if (verdict == 1)
             rc = REFUSE("KVW-TQ-5", "turboquant: head %llu token %llu has a norm beyond the "
                         "scale dtype", (unsigned long long)(r / M), (unsigned long long)(g->P + r % M));
-        else if (live && sf == 0.0f)
+        else if (verdict == 2)
             rc = REFUSE("KVW-TQ-5", "turboquant: the nonzero row of head %llu token %llu has a "
                         "norm that rounds to 0", (unsigned long long)(r / M),
                         (unsigned long long)(g->P + r % M));
@@ -349,8 +365,8 @@ static int tq_fused(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geo
     if (rot) kvwc_rot_mask(s, D, mask); /* every code byte is written: D * b % 8 == 0 */
     for (uint64_t r0 = 0; ok && r0 < rows; r0 += ROWS) {
         uint64_t R = rows - r0 < ROWS ? rows - r0 : ROWS;
-        float q[ROWS] = {0}, norm[ROWS];
-        uint8_t live[ROWS] = {0};
+        float q[ROWS], norm[ROWS];
+        uint8_t live[ROWS];
         for (uint64_t i = 0; ok && i < R; i++) {
             uint64_t r = r0 + i;
             uint32_t a;
@@ -360,17 +376,15 @@ static int tq_fused(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geo
         }
         if (ok && R == ROWS) kvwc_rot_sumsq8_avx2(y, D, D, q, live);
         else
-            for (uint64_t i = 0; ok && i < R; i++)
-                for (uint64_t d = 0; d < D; d++) {
-                    float v = y[i * D + d], sq = v * v;
-                    q[i] = q[i] + sq;
-                    live[i] |= v != 0.0f;
-                }
+            for (uint64_t i = 0; ok && i < R; i++) {
+                int nz;
+                q[i] = row_sumsq(y + i * D, D, &nz);
+                live[i] = (uint8_t)nz;
+            }
         for (uint64_t i = 0; ok && i < R; i++) {
+            uint32_t sb;
             norm[i] = sqrtf(q[i]);
-            uint32_t sb = kvwc_nearest_bits(norm[i], sd);
-            float sf = kvwc_bits_value(sb, sd);
-            ok = (kvwc_f32_bits(sf) & 0x7F800000u) != 0x7F800000u && !(live[i] && sf == 0.0f); /* KVW-TQ-5 */
+            ok = norm_scale(norm[i], sd, live[i], &sb) == 0; /* KVW-TQ-5 */
             if (g->psize == 4) kvw_st32(params + 4 * (r0 + i), sb);
             else kvw_st16(params + 2 * (r0 + i), (uint16_t)sb);
         }

@@ -51,7 +51,6 @@ AVX2 static inline __attribute__((always_inline)) __m256i code8(__m256 y, __m256
     return _mm256_sllv_epi32(j, sh);
 }
 
-
 /* The row for a constant b (3 or 4): the compare loops unrolled. NV: D / 8 registers held in
  * registers (D <= 128, all of KVW-ROT-6's stages there, in their order); 0: through y. */
 #define VAL(k) (NV ? r[k] : _mm256_loadu_ps(y + 8 * (k)))
@@ -127,7 +126,6 @@ AVX2 void kvwc_tq_enc_row_avx2(float *y, uint64_t D, float den, const uint32_t *
     unsigned i = D == 8 ? 1 : D == 16 ? 2 : D == 32 ? 3 : D == 64 ? 4 : D == 128 ? 5 : 0;
     ENC_FN[b == 4][i](y, D, den, mask, cb, mid, out);
 }
-
 
 AVX2 void kvwc_tq_sumsq8_avx2(const uint8_t *codes, unsigned b, const float *lv, uint64_t D, float *n) {
     uint8_t buf[8 * 128 * 4 / 8 + 4] = {0}; /* 4-byte loads past the last row's codes */
