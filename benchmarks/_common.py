@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: the machine line of their reports.
+"""What the benchmark scripts share: the machine line of their reports and the arguments
+that give the synthetic cache's shape and the fidelity runs' prompts.
 
 Why: the figures of one run are only comparable with another's on the same processor (two
 sessions' 2-core VMs differed by 2x in every row), and ``platform.processor()`` says only
-"x86_64" on Linux; the model name from /proc/cpuinfo tells the runs apart.
+"x86_64" on Linux; the model name from /proc/cpuinfo tells the runs apart. The arguments
+were copied into eight scripts; one definition keeps their defaults and help the same.
 """
 
 from __future__ import annotations
