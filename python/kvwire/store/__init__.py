@@ -15,7 +15,7 @@ from .kvstore import KVStore, LoadResult, Lookup, PutResult
 from .local import LocalStore
 from .memory import MemoryStore
 from .redis import RedisStore
-from .urls import open_store
+from .urls import default_store_dir, default_store_url, open_store
 
 __all__ = ["KVStore", "KeySpace", "LoadResult", "LocalStore", "Lookup", "MemoryStore", "PutResult", "RedisClusterStore", "RedisStore", "Store", "StoreError",
-           "StoreStats", "codec_fidelity", "open_store", "resolve_range"]
+           "StoreStats", "codec_fidelity", "default_store_dir", "default_store_url", "open_store", "resolve_range"]

@@ -7,6 +7,7 @@ only when a redis URL is opened, so the core needs no Redis client.
 
 from __future__ import annotations
 
+import os
 from urllib.parse import unquote, urlsplit
 
 from .base import Store, StoreError
@@ -16,6 +17,20 @@ from .memory import MemoryStore
 from .redis import open_redis
 
 SCHEMES = ("file", "memory", "redis", "redis-cluster")
+
+
+def default_store_dir() -> str:
+    """The per-user store directory used when no store is configured (spec/store.md,
+    private by default): ``$XDG_CACHE_HOME/kvwire/store``, else ``~/.cache/kvwire/store``.
+    A per-user cache directory, never a predictable name in a world-writable one such as
+    ``/tmp`` (another user could create it first and read or plant every object)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "kvwire", "store")
+
+
+def default_store_url() -> str:
+    """``file://`` + ``default_store_dir()``."""
+    return "file://" + default_store_dir()
 
 
 def open_store(url: str, **options) -> Store:
@@ -44,4 +59,4 @@ def open_store(url: str, **options) -> Store:
                      f"supported: {supported}")
 
 
-__all__ = ["SCHEMES", "open_store"]
+__all__ = ["SCHEMES", "default_store_dir", "default_store_url", "open_store"]
