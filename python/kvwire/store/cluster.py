@@ -19,10 +19,9 @@ from __future__ import annotations
 import threading
 from binascii import crc_hqx
 import time
-from urllib.parse import urlsplit
-
 from .base import Store, StoreError, check_keys
-from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, check_timeout, import_redis, parse_auth, parse_host
+from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, check_timeout, import_redis, parse_host
+from .redis_url import RedisURL, parse_redis_url
 
 SLOTS = 16384
 # Position of the first of ARGV (this node's keys, in the request's order) that is missing.
@@ -34,17 +33,23 @@ NODE_LEADING_SCRIPT = b"#!lua flags=allow-cross-slot-keys,no-writes\n" \
 
 
 class RedisClusterStore(RedisStore):
-    """A store on a Redis Cluster, found from one or more seed nodes."""
+    """A store on a Redis Cluster, found from one or more seed nodes; with ``tls`` (a
+    ``TLSOptions``) every master is reached over TLS with the same options
+    (``rediss-cluster://``, KVW-STORE-41). ``url`` is redacted (KVW-STORE-39)."""
 
     def __init__(self, seeds, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
-                 username=None, password=None, retry_after: float = 1.0):
+                 username=None, password=None, retry_after: float = 1.0, tls=None):
         Store.__init__(self)
         seeds = [(str(h), int(p)) for h, p in seeds]
         if not seeds:
             raise ValueError("a Redis Cluster store needs at least one seed node host:port")
-        self.timeout, self.retry_after = check_timeout(timeout), float(retry_after)
-        self.url = "redis-cluster://" + ",".join(f"{h}:{p}" for h, p in seeds)
-        self._opts = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password)
+        self.timeout, self.retry_after = check_timeout(timeout), check_timeout(retry_after)
+        if connect_timeout is not None:
+            check_timeout(connect_timeout)
+        self.url = RedisURL("rediss-cluster" if tls else "redis-cluster", seeds, 0, username, password, tls=tls).url
+        self._opts = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password,
+                          ssl_context=tls.context(self.url) if tls else None,
+                          server_name=tls.server_name if tls else None)
         import_redis()
         self._seeds = [f"{h}:{p}" for h, p in seeds]
         self._nodes: dict[str, Node] = {}
@@ -77,14 +82,25 @@ class RedisClusterStore(RedisStore):
             self.count(round_trips=1)
             if isinstance(reply, Exception):
                 raise StoreError(f"{self.url}: {addr} is not a cluster node: {reply}")
-            slots: list[str | None] = [None] * SLOTS
-            for start, stop, master, *_ in reply:
-                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
-                owner = f"{host or addr.rpartition(':')[0]}:{int(master[1])}"
-                slots[int(start):int(stop) + 1] = [owner] * (int(stop) - int(start) + 1)
-            self._slots = slots
+            self._slots = self.slot_map(reply, addr)
             return
         raise StoreError(f"{self.url}: no seed node answered CLUSTER SLOTS: {'; '.join(errors) or 'all marked down'}")
+
+    def slot_map(self, reply, addr: str) -> list:
+        """The owner ("host:port") of each slot from a CLUSTER SLOTS reply; a reply that is
+        not one is a StoreError (KVW-STORE-40), never a wrong map."""
+        slots: list[str | None] = [None] * SLOTS
+        try:
+            for start, stop, master, *_ in reply:
+                host = master[0].decode("ascii") if isinstance(master[0], bytes) else str(master[0])
+                start, stop, port = int(start), int(stop), int(master[1])
+                if not 0 <= start <= stop < SLOTS or not 0 < port < 65536:
+                    raise ValueError(f"slots {start}..{stop} on port {port}")
+                slots[start:stop + 1] = [f"{host or addr.rpartition(':')[0]}:{port}"] * (stop - start + 1)
+        except (TypeError, ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise StoreError(f"{self.url}: {addr} answered CLUSTER SLOTS with something else ({exc}): is it a "
+                             "Redis Cluster node?") from None
+        return slots
 
     def is_down(self, addr: str) -> bool:
         until = self._down.get(addr)
@@ -183,6 +199,9 @@ class RedisClusterStore(RedisStore):
             self.count(round_trips=1)
             if isinstance(got, Exception):  # slots moved under us: the per-key path follows MOVED
                 return Store.leading(self, keys)
+            if not isinstance(got, int):
+                raise StoreError(f"{self.url}: {addr} answered the hit query with a {type(got).__name__}: is it a "
+                                 "Redis server?")
             if int(got) < len(idx):
                 first_miss = min(first_miss, idx[int(got)])
         return first_miss
@@ -203,16 +222,14 @@ class RedisClusterStore(RedisStore):
 
 
 def open_cluster(url: str, **options) -> RedisClusterStore:
-    """``redis-cluster://[user:password@]host:port[,host:port...]`` (options: timeout,
-    connect_timeout, retry_after)."""
-    parts = urlsplit(url)
-    user, password, hosts = parse_auth(parts.netloc)
-    if parts.path.strip("/"):
-        raise StoreError(f"store URL {url!r}: a cluster has one database; give no /db path")
-    seeds = [parse_host(h, url) for h in hosts.split(",") if h]
-    if not seeds:
-        raise StoreError(f"store URL {url!r}: name at least one node (redis-cluster://127.0.0.1:7000)")
-    return RedisClusterStore(seeds, username=user, password=password, **options)
+    """``redis-cluster://[user:password@]host:port[,host:port...]`` or ``rediss-cluster://``
+    with the query parameters and keyword options of KVW-STORE-38 (timeout,
+    connect_timeout, retry_after; on ``rediss-cluster://`` ca, cert, key, server_name)."""
+    parsed = parse_redis_url(url, options)
+    if not parsed.cluster:
+        raise StoreError(f"{parsed.url}: not a cluster URL; open it with open_store")
+    return RedisClusterStore(parsed.hosts, username=parsed.username, password=parsed.password, tls=parsed.tls,
+                             **parsed.options)
 
 
 __all__ = ["RedisClusterStore", "SLOTS", "open_cluster"]

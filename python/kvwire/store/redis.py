@@ -23,9 +23,9 @@ within it, never a hang. ``kvwire.store.cluster`` routes the same commands per n
 
 from __future__ import annotations
 
-from urllib.parse import unquote, urlsplit
-
 from .base import Store, StoreError, as_buffers, check_key, check_keys, resolve_range
+from .redis_conn import describe_failure, import_redis, tls_connection_class
+from .redis_url import RedisURL, parse_host, parse_redis_url
 
 DEFAULT_TIMEOUT = 5.0
 COALESCE = 64 << 10  # buffers smaller than this are joined into the command's framing
@@ -42,14 +42,6 @@ LEADING_SCRIPT = b"local n = redis.call('EXISTS', unpack(KEYS)) if n == #KEYS th
                  b"return #KEYS"
 # Size of KEYS[1], -1 for a miss (STRLEN alone answers 0 to both).
 SIZE_SCRIPT = b"if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end return redis.call('STRLEN', KEYS[1])"
-
-
-def import_redis():
-    try:
-        import redis
-    except ImportError:  # pragma: no cover - the test extra installs it
-        raise StoreError("redis:// stores need redis-py: pip install 'kvwire[redis]' (redis>=5,<6 and hiredis)") from None
-    return redis
 
 
 def pack(args) -> list:
@@ -78,21 +70,31 @@ def pack(args) -> list:
 class Node:
     """One Redis server: a connection pool and ``execute(commands)``, which sends a batch
     of commands in one write and reads their replies (one round trip). Replies that are
-    Redis errors come back as exception objects in their place; a broken connection or a
-    timeout raises ``StoreError`` after dropping the connection."""
+    Redis errors come back as exception objects in their place; any other failure (the
+    connection, TLS, authentication, the database, a reply that is not Redis protocol)
+    raises ``StoreError`` after dropping the connection (KVW-STORE-40)."""
 
     def __init__(self, host: str, port: int, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float | None = None, username=None, password=None):
+                 connect_timeout: float | None = None, username=None, password=None, ssl_context=None,
+                 server_name=None):
         redis = import_redis()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         self.addr = f"{host}:{port}"
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.tls, self.has_password = ssl_context is not None, password is not None
+        # every redis-py failure, and what a broken socket or a garbled reply raises under it
+        self._errors = (redis.RedisError, OSError, ValueError, TypeError, IndexError)
         self._response_error = redis.ResponseError
+        extra = dict(connection_class=tls_connection_class(), ssl_context=ssl_context,
+                     server_name=server_name) if ssl_context is not None else {}
         self.pool = redis.ConnectionPool(
             host=host, port=port, db=db, username=username, password=password, socket_timeout=timeout,
             socket_connect_timeout=connect_timeout if connect_timeout is not None else timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, **extra)
+
+    def failure(self, exc, doing: str) -> StoreError:
+        what = describe_failure(exc, tls=self.tls, password=self.has_password)
+        return StoreError(f"redis {self.addr}{' (TLS)' if self.tls else ''}: {doing}{what}")
 
     def execute(self, commands) -> list:
         return self.finish(self.begin(commands), len(commands))
@@ -106,14 +108,14 @@ class Node:
             except TypeError:  # redis-py before 5.3 wants a command name
                 conn = self.pool.get_connection("kvwire")
         except self._errors as exc:
-            raise StoreError(f"redis {self.addr}: cannot connect: {exc}") from exc
+            raise self.failure(exc, "") from exc
         try:
             conn.send_packed_command([c for cmd in commands for c in pack(cmd)], check_health=False)
         except BaseException as exc:
             self.drop(conn)
             if isinstance(exc, self._errors):
-                raise StoreError(f"redis {self.addr}: {type(exc).__name__}: {exc} (a SET applies whole or not "
-                                 "at all: no partial object is stored)") from exc
+                raise self.failure(exc, "sending failed (a SET applies whole or not at all: no partial "
+                                        "object is stored): ") from exc
             raise
         return conn
 
@@ -128,14 +130,16 @@ class Node:
         except BaseException as exc:
             self.drop(conn)  # interrupted mid-batch: the connection's state is unknown
             if isinstance(exc, self._errors):
-                raise StoreError(f"redis {self.addr}: {type(exc).__name__}: {exc}") from exc
+                raise self.failure(exc, "") from exc
             raise
         self.pool.release(conn)
         return replies
 
     def drop(self, conn) -> None:
-        conn.disconnect()
-        self.pool.release(conn)
+        try:
+            conn.disconnect()
+        finally:
+            self.pool.release(conn)
 
     def close(self) -> None:
         self.pool.disconnect()
@@ -159,6 +163,10 @@ def range_command(key: str, byte_range):
     return ["EVAL", RANGE_SCRIPT, 1, key, start, stop]
 
 
+# The reply types of the read commands (a nil is None): anything else is not Redis's answer.
+REPLY = {"GET": (bytes, type(None)), "EVAL": (bytes, type(None)), "EXISTS": int}
+
+
 def range_reply(cmd, reply):
     if cmd[0] == "EXISTS":
         return b"" if reply else None
@@ -178,15 +186,20 @@ def check_prefix(prefix: str) -> str:
 
 
 class RedisStore(Store):
-    """A store on one Redis server (``redis://[user:password@]host:port/db``)."""
+    """A store on one Redis server (``redis://[user:password@]host:port/db``, or
+    ``rediss://`` with ``tls``, a ``TLSOptions``). ``url`` is the redacted URL
+    (KVW-STORE-39): what messages, logs and statistics print."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float | None = None, username=None, password=None):
+                 connect_timeout: float | None = None, username=None, password=None, tls=None):
         super().__init__()
         self.timeout = check_timeout(timeout)
-        self.url = f"redis://{host}:{port}/{db}"
+        if connect_timeout is not None:
+            check_timeout(connect_timeout)
+        self.url = RedisURL("rediss" if tls else "redis", [(host, port)], db, username, password, tls=tls).url
         self.node = Node(host, port, db, timeout=timeout, connect_timeout=connect_timeout, username=username,
-                         password=password)
+                         password=password, ssl_context=tls.context(self.url) if tls else None,
+                         server_name=tls.server_name if tls else None)
 
     # -- routing: one server answers everything (the cluster overrides these two) ---------
     def run(self, commands, keys) -> list:
@@ -198,10 +211,14 @@ class RedisStore(Store):
     def nodes(self) -> list[Node]:
         return [self.node]
 
-    @staticmethod
-    def raise_error(reply, key):
+    def raise_error(self, reply, key, kinds=None):
+        """``reply``, unless it is an error reply or (with ``kinds``) not of the type the
+        command answers: a StoreError, never a value passed on (KVW-STORE-40)."""
         if isinstance(reply, Exception):
-            raise StoreError(f"redis refused the command for {key!r}: {reply}")
+            raise StoreError(f"{self.url}: redis refused the command for {key!r}: {reply}")
+        if kinds is not None and not isinstance(reply, kinds):
+            raise StoreError(f"{self.url}: the reply for {key!r} is a {type(reply).__name__}, not what the command "
+                             "answers: is this a Redis server?")
         return reply
 
     # -- reads ---------------------------------------------------------------------------
@@ -219,7 +236,7 @@ class RedisStore(Store):
         cmds = [range_command(k, r) for k, r in requests]
         out = []
         for key, cmd, reply in zip(keys, cmds, self.run(cmds, keys)):
-            value = None if reply is MISSING else range_reply(cmd, self.raise_error(reply, key))
+            value = None if reply is MISSING else range_reply(cmd, self.raise_error(reply, key, REPLY[cmd[0]]))
             out.append(value)
         got = [v for v in out if v is not None]
         self.count(gets=len(keys), hits=len(got), misses=len(keys) - len(got), bytes_in=sum(map(len, got)))
@@ -234,7 +251,7 @@ class RedisStore(Store):
         if not keys:
             return []
         replies = self.run([["EXISTS", k] for k in keys], keys)
-        return [reply is not MISSING and bool(self.raise_error(reply, k)) for k, reply in zip(keys, replies)]
+        return [reply is not MISSING and bool(self.raise_error(reply, k, int)) for k, reply in zip(keys, replies)]
 
     def leading(self, keys) -> int:
         """One server-side script over the keys in order: stops at the first miss and reads
@@ -245,7 +262,7 @@ class RedisStore(Store):
             return 0
         reply = self.node.execute([["EVAL", LEADING_SCRIPT, len(keys), *keys]])[0]
         self.count(round_trips=1)
-        return int(self.raise_error(reply, keys[0]))
+        return int(self.raise_error(reply, keys[0], int))
 
     def sizes(self, keys) -> list:
         keys = check_keys(keys)
@@ -254,7 +271,7 @@ class RedisStore(Store):
             part = keys[i:i + BATCH_KEYS]
             replies = self.run([["EVAL", SIZE_SCRIPT, 1, k] for k in part], part)
             for k, r in zip(part, replies):
-                n = -1 if r is MISSING else int(self.raise_error(r, k))
+                n = -1 if r is MISSING else int(self.raise_error(r, k, int))
                 out.append(None if n < 0 else n)
         return out
 
@@ -269,7 +286,11 @@ class RedisStore(Store):
         while True:
             reply = node.execute([["SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT]])[0]
             self.count(round_trips=1)
-            cursor, batch = self.raise_error(reply, prefix)
+            reply = self.raise_error(reply, prefix, list)
+            if len(reply) != 2 or not isinstance(reply[0], bytes) or not isinstance(reply[1], list) or not all(
+                    isinstance(k, bytes) for k in reply[1]):
+                raise StoreError(f"{self.url}: the reply to SCAN is not Redis's answer: is this a Redis server?")
+            cursor, batch = reply
             keys += [k.decode("ascii", "replace") for k in batch]
             if cursor in (b"0", 0):
                 return keys
@@ -289,7 +310,7 @@ class RedisStore(Store):
         for (key, bufs), reply in zip(items, replies):
             if reply is MISSING:
                 raise StoreError(f"{self.url}: the node holding {key!r} is down; the object was not stored")
-            ok = self.raise_error(reply, key) is not None
+            ok = self.raise_error(reply, key, (bytes, type(None))) is not None
             out.append(ok)
             if ok:
                 written += 1
@@ -300,7 +321,7 @@ class RedisStore(Store):
     def delete(self, key) -> bool:
         key = check_key(key)
         reply = self.run([["DEL", key]], [key])[0]
-        gone = reply is not MISSING and bool(self.raise_error(reply, key))
+        gone = reply is not MISSING and bool(self.raise_error(reply, key, int))
         self.count(deletes=int(gone))
         return gone
 
@@ -317,7 +338,7 @@ class RedisStore(Store):
             self.count(round_trips=1)
             fields = {}
             for part in reply:
-                if isinstance(part, Exception):
+                if not isinstance(part, bytes):
                     continue
                 for line in part.decode("ascii", "replace").splitlines():
                     if ":" in line and not line.startswith("#"):
@@ -325,7 +346,8 @@ class RedisStore(Store):
                         fields[k] = v.strip()
             total["nodes"] += 1
             for k in ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses"):
-                total[k] += int(fields.get(k, 0) or 0)
+                value = fields.get(k, "0")
+                total[k] += int(value) if value.isdigit() else 0
             policy.add(fields.get("maxmemory_policy", "?"))
         total["maxmemory_policy"] = ",".join(sorted(policy))
         return total
@@ -351,36 +373,17 @@ class Missing:
 MISSING = Missing()
 
 
-def parse_auth(netloc: str):
-    """(username, password, hosts part) of a URL's netloc."""
-    if "@" not in netloc:
-        return None, None, netloc
-    auth, hosts = netloc.rsplit("@", 1)
-    user, _, password = auth.partition(":")
-    return unquote(user) or None, unquote(password) or None, hosts
-
-
-def parse_host(part: str, url: str) -> tuple[str, int]:
-    host, _, port = part.rpartition(":") if ":" in part else (part, "", "6379")
-    try:
-        port_n = int(port)
-    except ValueError:
-        raise StoreError(f"store URL {url!r}: bad port {port!r}") from None
-    if not host or not 0 < port_n < 65536:
-        raise StoreError(f"store URL {url!r}: need host:port, got {part!r}")
-    return host, port_n
-
-
 def open_redis(url: str, **options) -> RedisStore:
-    """``redis://[user:password@]host[:port][/db]`` (options: timeout, connect_timeout)."""
-    parts = urlsplit(url)
-    user, password, hosts = parse_auth(parts.netloc)
-    host, port = parse_host(hosts or "127.0.0.1:6379", url)
-    db = parts.path.strip("/") or "0"
-    if not db.isdigit():
-        raise StoreError(f"store URL {url!r}: the path is the database number (redis://host:6379/0)")
-    return RedisStore(host, port, int(db), username=user, password=password, **options)
+    """``redis://[user:password@]host[:port][/db]`` or ``rediss://...`` with the query
+    parameters and keyword options of KVW-STORE-38 (timeout, connect_timeout; on
+    ``rediss://`` ca, cert, key, server_name). Anything else is a StoreError."""
+    parsed = parse_redis_url(url, options)
+    if parsed.cluster:
+        raise StoreError(f"{parsed.url}: a cluster URL; open it with open_store")
+    (host, port), = parsed.hosts
+    return RedisStore(host, port, parsed.db, username=parsed.username, password=parsed.password, tls=parsed.tls,
+                      **parsed.options)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "MISSING", "Node", "RedisStore", "check_timeout", "open_redis", "pack", "parse_auth",
+__all__ = ["DEFAULT_TIMEOUT", "MISSING", "Node", "RedisStore", "check_timeout", "import_redis", "open_redis", "pack",
            "parse_host"]

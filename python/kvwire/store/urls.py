@@ -15,8 +15,9 @@ from .cluster import open_cluster
 from .local import LocalStore
 from .memory import MemoryStore
 from .redis import open_redis
+from .redis_url import redact_url
 
-SCHEMES = ("file", "memory", "redis", "redis-cluster")
+SCHEMES = ("file", "memory", "redis", "redis-cluster", "rediss", "rediss-cluster")
 
 
 def default_store_dir() -> str:
@@ -50,13 +51,13 @@ def open_store(url: str, **options) -> Store:
         if not path:
             raise StoreError(f"{url!r}: a file:// URL needs a directory (file:///var/cache/kvwire)")
         return LocalStore(path, **options)
-    if scheme == "redis":
+    if scheme in ("redis", "rediss"):  # rediss: TLS (spec/store.md KVW-STORE-36)
         return open_redis(url, **options)
-    if scheme == "redis-cluster":
+    if scheme in ("redis-cluster", "rediss-cluster"):
         return open_cluster(url, **options)
     supported = ", ".join(f"{s}://" for s in SCHEMES)
-    raise StoreError(f"store URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "
-                     f"supported: {supported}")
+    shown = scheme + "://" if scheme else "(none)"
+    raise StoreError(f"store URL {redact_url(url)!r}: scheme {shown} is not supported; supported: {supported}")
 
 
 __all__ = ["SCHEMES", "default_store_dir", "default_store_url", "open_store"]
