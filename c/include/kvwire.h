@@ -29,7 +29,7 @@ extern "C" {
 
 #define KVW_VERSION_STRING "0.1.0"
 #define KVW_FORMAT_MAJOR 1
-#define KVW_FORMAT_MINOR 3 /* the newest revision this library implements (1.3) */
+#define KVW_FORMAT_MINOR 4 /* the newest revision this library implements (1.4) */
 
 /* ------------------------------------------------------------------------------------ */
 /* Error codes: spec/kvwire-v1.md section 18, in registry (alphabetical) order.           */
@@ -100,6 +100,7 @@ typedef enum kvw_code {
     KVW_UNSUPPORTED_FEATURE,
     KVW_UNSUPPORTED_VERSION,
     KVW_VERSION_MISMATCH,
+    KVW_ZSTD_CHECKSUM_MISSING, /* revision 1.4, KVW-CODEC-5 */
     KVW_FORMAT_CODE_COUNT, /* one past the last registry code */
 
     /* Not format errors (never reported for a container's content). */

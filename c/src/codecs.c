@@ -21,7 +21,7 @@
 /* ---- zstd (KVW-CODEC-2, KVW-CODEC-3) ------------------------------------------------ */
 
 kvw_code kvwc_zstd_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                          size_t dst_len, const char *what, kvw_error *err) {
+                          size_t dst_len, int need_checksum, const char *what, kvw_error *err) {
     if (n < 4)
         return kvw_fail(err, KVW_DECODE_FAILED, "KVW-CODEC-2",
                         "%s: zstd frame header invalid: %zu bytes, no magic number", what, n);
@@ -80,6 +80,10 @@ kvw_code kvwc_zstd_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t
     if (dict_id != 0)
         return kvw_fail(err, KVW_DECODE_FAILED, "KVW-CODEC-3",
                         "%s: zstd frame needs dictionary %u", what, (unsigned)dict_id);
+    if (need_checksum && !(fhd & 0x04u)) /* Content_Checksum_Flag */
+        return kvw_fail(err, KVW_ZSTD_CHECKSUM_MISSING, "KVW-CODEC-5",
+                        "%s: zstd frame without a content checksum in a container of format 1.%u "
+                        "or later", what, KVWC_CHECKSUM_MINOR);
     size_t fsize = ZSTD_findFrameCompressedSize(src, n);
     if (ZSTD_isError(fsize))
         return kvw_fail(err, KVW_DECODE_FAILED, "KVW-CODEC-2", "%s: zstd: %s", what,
@@ -152,8 +156,8 @@ static void interleave(uint8_t *dst, const uint8_t *const *pl, size_t N, unsigne
 
 /* kvwc_byteplane_decode with the caller's scratch (codecs_impl.h). */
 kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                                       size_t L, unsigned w, const char *rule, uint8_t *scratch_buf,
-                                       kvw_error *err) {
+                                       size_t L, unsigned w, int need_checksum, const char *rule,
+                                       uint8_t *scratch_buf, kvw_error *err) {
     if (w == 0 || w > 8)
         return kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "", "byteplane element width %u", w);
     size_t N = L / w, r = L - N * w, head = 4u * w;
@@ -206,7 +210,7 @@ kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size
         upper = 0;
         char what[48];
         snprintf(what, sizeof what, "byteplane plane %u", j);
-        rc = kvwc_zstd_decode(dctx, piece, (size_t)lens[j], target, N, what, err);
+        rc = kvwc_zstd_decode(dctx, piece, (size_t)lens[j], target, N, need_checksum, what, err);
         if (rc) break;
         planes[j] = target;
     }
@@ -223,8 +227,9 @@ kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size
 }
 
 kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                               size_t L, unsigned w, const char *rule, kvw_error *err) {
-    return kvwc_byteplane_decode_scratch(dctx, src, n, dst, L, w, rule, NULL, err);
+                               size_t L, unsigned w, int need_checksum, const char *rule,
+                               kvw_error *err) {
+    return kvwc_byteplane_decode_scratch(dctx, src, n, dst, L, w, need_checksum, rule, NULL, err);
 }
 
 /* ---- dispatch -------------------------------------------------------------------------- */
@@ -296,12 +301,13 @@ kvw_code kvw_decode_body(const kvw_header *h, const kvw_record *rec, const uint8
     if (!dctx) return kvw_fail(err, KVW_ERR_NO_MEMORY, "", "ZSTD_createDCtx failed");
     unsigned w = kvw_dtype_size(h->dtype);
     if (rec->codec == KVW_CODEC_ZSTD) {
-        rc = kvwc_zstd_decode(dctx, stored, n, dst, raw, "zstd body", err);
+        rc = kvwc_zstd_decode(dctx, stored, n, dst, raw, KVWC_NEED_CHECKSUM(h), "zstd body", err);
     } else if (rec->codec == KVW_CODEC_BYTEPLANE_ZSTD) {
         if (!w)
             rc = kvw_fail(err, KVW_ERR_INVALID_ARGUMENT, "", "header dtype %u", h->dtype);
         else
-            rc = kvwc_byteplane_decode(dctx, stored, n, dst, raw, w, "KVW-BPZ-3", err);
+            rc = kvwc_byteplane_decode(dctx, stored, n, dst, raw, w, KVWC_NEED_CHECKSUM(h), "KVW-BPZ-3",
+                                           err);
     } else {
         uint8_t *body = (uint8_t *)malloc(g.Lb ? (size_t)g.Lb : 1); /* Lb: a few x raw_length */
         if (!body) {
@@ -309,10 +315,11 @@ kvw_code kvw_decode_body(const kvw_header *h, const kvw_record *rec, const uint8
                           (unsigned long long)g.Lb);
         } else {
             if (spec->lossless == KVW_CODEC_ZSTD)
-                rc = kvwc_zstd_decode(dctx, stored, n, body, (size_t)g.Lb, "lossless stage", err);
+                rc = kvwc_zstd_decode(dctx, stored, n, body, (size_t)g.Lb, KVWC_NEED_CHECKSUM(h),
+                                      "lossless stage", err);
             else
-                rc = kvwc_byteplane_decode(dctx, stored, n, body, (size_t)g.Lb, w, "KVW-CSPEC-7",
-                                           err);
+                rc = kvwc_byteplane_decode(dctx, stored, n, body, (size_t)g.Lb, w, KVWC_NEED_CHECKSUM(h),
+                                           "KVW-CSPEC-7", err);
             if (!rc) rc = kvwc_lossy_decode(h, spec, &g, body, dst, err);
             free(body);
         }

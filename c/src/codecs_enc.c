@@ -30,7 +30,7 @@ static kvw_code zstd_encode_parts(const kvw_iovec *parts, int nparts, size_t tot
     size_t r;
     if (ZSTD_isError(r = ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level ? level : 3)) ||
         ZSTD_isError(r = ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 1)) ||
-        ZSTD_isError(r = ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 0)) ||
+        ZSTD_isError(r = ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 1)) ||
         ZSTD_isError(r = ZSTD_CCtx_setPledgedSrcSize(c, total))) {
         rc = zstd_error(err, "zstd parameters", r);
         goto done;
@@ -120,7 +120,7 @@ static kvw_code byteplane_encode(const kvw_iovec *parts, int nparts, size_t L, u
         ZSTD_isError(e = ZSTD_CCtx_setParameter(c, ZSTD_c_hashLog, 6)) ||
         ZSTD_isError(e = ZSTD_CCtx_setParameter(c, ZSTD_c_targetLength, 0)) ||
         ZSTD_isError(e = ZSTD_CCtx_setParameter(c, ZSTD_c_contentSizeFlag, 1)) ||
-        ZSTD_isError(e = ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 0))) {
+        ZSTD_isError(e = ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 1))) {
         rc = zstd_error(err, "byteplane parameters", e);
         goto done;
     }

@@ -11,15 +11,21 @@
 #include <zstd.h>
 
 /* KVW-CODEC-2/3: check the frame header of src (n bytes), then decompress exactly one
- * frame into dst (exactly dst_len bytes). `what` names the body in messages. */
+ * frame into dst (exactly dst_len bytes). `what` names the body in messages. need_checksum:
+ * the container's format_minor is 4 or more, so a frame without a content checksum is
+ * ZSTD_CHECKSUM_MISSING (KVW-CODEC-5); a checksum present is always verified (libzstd). */
 kvw_code kvwc_zstd_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                          size_t dst_len, const char *what, kvw_error *err);
+                          size_t dst_len, int need_checksum, const char *what, kvw_error *err);
+/* KVW-CODEC-5: the format_minor from which every zstd frame carries a content checksum. */
+#define KVWC_CHECKSUM_MINOR 4u
+#define KVWC_NEED_CHECKSUM(h) ((h)->format_minor >= KVWC_CHECKSUM_MINOR)
 
 /* KVW-BPZ-1..3: decode a byteplane body (n bytes) of L decoded bytes and element width w
  * into dst. `rule` is the rule reported for the body's layout (BPZ-3, or CSPEC-7 for a
  * lossless stage). */
 kvw_code kvwc_byteplane_decode(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                               size_t L, unsigned w, const char *rule, kvw_error *err);
+                               size_t L, unsigned w, int need_checksum, const char *rule,
+                               kvw_error *err);
 
 /* Geometry of one lossy body (KVW-LOSSY-1, LOSSY-2, FP8-2, INT-2). */
 typedef struct kvwc_geom {
@@ -111,8 +117,8 @@ static inline float kvwc_bits_value(uint32_t b, unsigned dt) {
 /* kvwc_byteplane_decode with the caller's scratch of at least L bytes (NULL: allocate one);
  * ffi.c passes its decode context's buffer. */
 kvw_code kvwc_byteplane_decode_scratch(ZSTD_DCtx *dctx, const uint8_t *src, size_t n, uint8_t *dst,
-                                       size_t L, unsigned w, const char *rule, uint8_t *scratch_buf,
-                                       kvw_error *err);
+                                       size_t L, unsigned w, int need_checksum, const char *rule,
+                                       uint8_t *scratch_buf, kvw_error *err);
 /* The lossy body (no lossless stage) into body (g->Lb bytes, any contents), codecs_qenc.c. */
 kvw_code kvwc_lossy_encode_into(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                                 const kvw_iovec *parts, int nparts, uint8_t *body, kvw_error *err);

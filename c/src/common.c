@@ -77,7 +77,8 @@ static const char *const CODE_NAMES[KVW_FORMAT_CODE_COUNT] = {
     "UNKNOWN_CODEC",
     "UNSUPPORTED_FEATURE",
     "UNSUPPORTED_VERSION",
-    "VERSION_MISMATCH"};
+    "VERSION_MISMATCH",
+    "ZSTD_CHECKSUM_MISSING"};
 
 const char *kvw_code_name(kvw_code code) {
     if ((int)code >= 0 && code < KVW_FORMAT_CODE_COUNT) return CODE_NAMES[code];

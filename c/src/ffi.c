@@ -112,12 +112,14 @@ static kvw_code decode_fast(kvw_decode_ctx *s, const kvw_header *h, const kvw_re
     size_t raw = (size_t)rec->raw_length, n = (size_t)rec->stored_length;
     unsigned w = kvw_dtype_size(h->dtype);
     if (rec->codec == KVW_CODEC_ZSTD)
-        return kvwc_zstd_decode(s->dctx, stored, n, dst, raw, "zstd body", err);
+        return kvwc_zstd_decode(s->dctx, stored, n, dst, raw, KVWC_NEED_CHECKSUM(h), "zstd body", err);
     if (rec->codec == KVW_CODEC_BYTEPLANE_ZSTD) { /* the planes' scratch: the context's buffer */
         if (!w) return kvw_decode_body(h, rec, stored, dst, err);
         if (raw > CTX_KEEP || !grow(s, raw))
-            return kvwc_byteplane_decode(s->dctx, stored, n, dst, raw, w, "KVW-BPZ-3", err);
-        return kvwc_byteplane_decode_scratch(s->dctx, stored, n, dst, raw, w, "KVW-BPZ-3", s->buf, err);
+            return kvwc_byteplane_decode(s->dctx, stored, n, dst, raw, w, KVWC_NEED_CHECKSUM(h), "KVW-BPZ-3",
+                                         err);
+        return kvwc_byteplane_decode_scratch(s->dctx, stored, n, dst, raw, w, KVWC_NEED_CHECKSUM(h),
+                                             "KVW-BPZ-3", s->buf, err);
     }
     kvwc_geom g;
     kvw_code rc = kvwc_lossy_geometry(h, rec, spec, &g, err);
@@ -134,9 +136,9 @@ static kvw_code decode_fast(kvw_decode_ctx *s, const kvw_header *h, const kvw_re
         s->cap = lb;
     }
     if (spec->lossless == KVW_CODEC_ZSTD)
-        rc = kvwc_zstd_decode(s->dctx, stored, n, s->buf, lb, "lossless stage", err);
+        rc = kvwc_zstd_decode(s->dctx, stored, n, s->buf, lb, KVWC_NEED_CHECKSUM(h), "lossless stage", err);
     else
-        rc = kvwc_byteplane_decode(s->dctx, stored, n, s->buf, lb, w, "KVW-CSPEC-7", err);
+        rc = kvwc_byteplane_decode(s->dctx, stored, n, s->buf, lb, w, KVWC_NEED_CHECKSUM(h), "KVW-CSPEC-7", err);
     if (!rc) rc = kvwc_lossy_decode(h, spec, &g, s->buf, dst, err);
     if (s->cap > CTX_KEEP) {
         free(s->buf);

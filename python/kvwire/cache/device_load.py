@@ -16,7 +16,7 @@ import numpy as np
 
 from ..codecs import byteplane, quant, torch_dequant as TD
 from ..codecs.pipeline import lossy_range
-from ..codecs.zstd import decode_body
+from ..codecs.zstd import checksum_required, decode_body
 from .cuda import StagingRing, host_chunk, int_view, stream_for
 from .kvcache import KVCache
 from .tensors import torch_dtype
@@ -100,9 +100,10 @@ def lossy_body(reader, j: int, c, stored):
     if n == lay.length:
         body = stored
     elif spec.lossless == "zstd" and n < lay.length:
-        body = decode_body("zstd", stored, lay.length)
+        body = decode_body("zstd", stored, lay.length, checksum_required=checksum_required(h))
     elif spec.lossless != "raw" and n < lay.length:
-        body = byteplane.decode(stored, lay.length, h.itemsize, rule="KVW-CSPEC-7")
+        body = byteplane.decode(stored, lay.length, h.itemsize, rule="KVW-CSPEC-7",
+                                checksum_required=checksum_required(h))
     else:  # the numpy decoder says why
         reader.decode_stored(j, c, stored)
         return None

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..format import registry as R
 from ..codecs import decode_body
+from ..codecs.zstd import checksum_required
 from ..format.chunks import chunk_plan
 from ..format.header import Header, check_header
 from ..format.sparse import (
@@ -199,7 +200,7 @@ def read_positions(reader, i: int, verify: bool = True) -> np.ndarray:
     """Decoded positions of record ``i`` (a POSITIONS chunk) of a ``Reader``."""
     c, stored = reader.stored(i, verify)
     h = reader.header
-    raw = decode_body(c.codec, stored, c.raw_length)
+    raw = decode_body(c.codec, stored, c.raw_length, checksum_required=checksum_required(h))
     return decode_positions(raw, c.token_count, h.first_position, h.sparse.next_position)
 
 

@@ -9,7 +9,8 @@ would cost decode time). Body of width ``w`` over ``L`` input bytes, ``N = L // 
 
 Plane ``j`` holds byte ``w-1-j`` (little-endian byte index) of every element, so plane 0
 is the most significant byte. ``len[j] == N``: the plane is stored as is; otherwise it is
-one zstd frame (KVW-CODEC-2 rules) of content size ``N`` that is shorter than ``N``.
+one zstd frame (KVW-CODEC-2 rules; with a content checksum from revision 1.4, KVW-CODEC-4)
+of content size ``N`` that is shorter than ``N``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SAMPLE = 16 << 10  # bytes of a plane tried first: a plane whose sample does not
 
 
 def plane_compressor(level: int = 1) -> zstandard.ZstdCompressor:
-    params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=1, write_checksum=0,
+    params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=1, write_checksum=1,
                                                             **PLANE_PARAMS)
     return zstandard.ZstdCompressor(compression_params=params)
 
@@ -66,9 +67,11 @@ def encode(raw, width: int, cctx: zstandard.ZstdCompressor) -> list:
     return [lengths, *stored, tail]
 
 
-def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None) -> np.ndarray:
+def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None,
+           checksum_required: bool = False) -> np.ndarray:
     """The ``length`` bytes a byteplane body of element width ``width`` encodes (uint8 array),
-    written into ``out`` (a writable buffer of ``length`` bytes) when given."""
+    written into ``out`` (a writable buffer of ``length`` bytes) when given.
+    ``checksum_required``: each zstd plane must carry a content checksum (KVW-CODEC-5)."""
     mv = memoryview(stored).cast("B")
     n, rest = divmod(length, width)
     head = 4 * width
@@ -86,7 +89,7 @@ def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None
         if ln > n:
             raise CodecError("DECODE_FAILED", f"plane {j}: {ln} stored bytes for {n} elements", rule=rule)
         if ln != n:  # a zstd frame of content size n (KVW-BPZ-2), into a reused buffer (no fresh pages)
-            piece = decode_body("zstd", piece, n, out=scratch(30 + j, n, np.uint8))
+            piece = decode_body("zstd", piece, n, out=scratch(30 + j, n, np.uint8), checksum_required=checksum_required)
         srcs.append(np.frombuffer(piece, np.uint8))
     if isinstance(out, np.ndarray) and out.ndim > 1:  # words in place (e.g. a token slice of a layer)
         assert width in _WORD and out.dtype.itemsize == width and out.size == n and not rest

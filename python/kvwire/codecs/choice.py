@@ -75,7 +75,7 @@ class CodecPlan:
             header = header.replace(codec_specs=tuple(specs), required_features=rf, format_minor=max(
                 header.format_minor, required_minor(rf)))  # KVW-EVOL-12
         self.header = header
-        self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)  # KVW-CODEC-4
         self._planes = byteplane.plane_compressor(level) if any(
             s.codec == "byteplane_zstd" or s.lossless == "byteplane_zstd" for s in specs) else None
 

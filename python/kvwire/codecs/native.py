@@ -37,7 +37,7 @@ _ERR_INVALID_ARGUMENT = 1000
 
 # Registry code -> the class the numpy path raises it with (FormatError otherwise).
 _CLASSES = {
-    "DECODE_FAILED": E.CodecError, "DECODED_SIZE_MISMATCH": E.CodecError, "UNKNOWN_CODEC": E.CodecError,
+    "DECODE_FAILED": E.CodecError, "DECODED_SIZE_MISMATCH": E.CodecError, "ZSTD_CHECKSUM_MISSING": E.CodecError, "UNKNOWN_CODEC": E.CodecError,
     "RAW_LENGTH_MISMATCH": E.CodecError, "POSITIONS_ENCODING": E.CodecError, "CODEC_SPEC_MISMATCH": E.CodecError,
     "CODEC_SPEC_INVALID": E.SchemaError, "LENGTH_MISMATCH": E.LayoutError, "RESERVED_NONZERO": E.LayoutError,
     "LAYER_OUT_OF_RANGE": E.LayoutError, "SPARSE_INVALID": E.SchemaError, "DECODED_SIZE_LIMIT": E.LimitError,

@@ -18,7 +18,7 @@ from ..format.codec_specs import CodecSpec
 from ..format.errors import CodecError, FormatError
 from ..format.sparse import retained_count
 from .kernels import scratch
-from .zstd import decode_body
+from .zstd import checksum_required, decode_body
 
 def lossy_range(h, layer: int, head: int = 0) -> tuple[int, int]:
     """``[lo, hi)`` in which sink and residual tokens are counted (KVW-LOSSY-1): the layer's
@@ -45,8 +45,9 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
         got = _native(header, codec, spec_index, stored, raw_length, shape, layer, token_start, out, head)
         if got is not None:
             return got
+    need = checksum_required(header)  # KVW-CODEC-5
     if not spec_index:
-        return decode_body(codec, stored, raw_length, out)
+        return decode_body(codec, stored, raw_length, out, checksum_required=need)
     h = header
     spec = h.codec_specs[spec_index - 1]  # in range and matching: checked with the records (KVW-CSPEC-9)
     if isinstance(out, np.ndarray) and out.ndim == 3:  # [H, T, D] of the dtype's width, any strides
@@ -58,11 +59,11 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
     else:
         target = None if out is None else memoryview(out).cast("B")
     if spec.codec == "byteplane_zstd":
-        data = byteplane.decode(stored, raw_length, h.itemsize, out=target)
+        data = byteplane.decode(stored, raw_length, h.itemsize, out=target, checksum_required=need)
     else:
         heads, tokens, dim = shape
         lay = quant.layout(spec, h.dtype, heads, dim, token_start, token_start + tokens, *lossy_range(h, layer, head))
-        body = _lossless_stage(spec, stored, lay.length, h.itemsize)
+        body = _lossless_stage(spec, stored, lay.length, h.itemsize, need)
         data = quant.decode(spec, body, lay, h.dtype, out=target)
     if target is not None and target is out:
         return out
@@ -73,7 +74,7 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
     return data if out is None else out
 
 
-def _lossless_stage(spec: CodecSpec, stored, length: int, width: int):
+def _lossless_stage(spec: CodecSpec, stored, length: int, width: int, need_checksum: bool = False):
     """The lossy body (``length`` bytes) under a chunk's stored bytes (KVW-CSPEC-7); with a
     lossless stage, a per-thread scratch buffer valid until this thread's next call."""
     n = memoryview(stored).nbytes
@@ -85,8 +86,8 @@ def _lossless_stage(spec: CodecSpec, stored, length: int, width: int):
                          rule="KVW-LOSSY-2" if spec.lossless == "raw" else "KVW-CSPEC-7")
     body = scratch(40, length, np.uint8)  # reused: the lossy decoder reads it once, right away
     if spec.lossless == "zstd":
-        return decode_body("zstd", stored, length, out=body)
-    return byteplane.decode(stored, length, width, rule="KVW-CSPEC-7", out=body)
+        return decode_body("zstd", stored, length, out=body, checksum_required=need_checksum)
+    return byteplane.decode(stored, length, width, rule="KVW-CSPEC-7", out=body, checksum_required=need_checksum)
 
 
 def _native(header, codec, spec_index, stored, raw_length, shape, layer, token_start, out, head):

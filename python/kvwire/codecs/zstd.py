@@ -6,6 +6,12 @@ never produces more than the record's ``raw_length`` bytes and fails with a
 header already declared (and the reader checked against its limit). The zstd frame
 checks here are shared by every stage that stores zstd frames (byteplane planes,
 chained lossless stages).
+
+Revision 1.4 (KVW-CODEC-4, KVW-CODEC-5): every frame written here carries zstd's content
+checksum (XXH64 of the decoded bytes), which libzstd verifies while decoding. The record's
+checksum covers the compressed bytes only, and two zstd decoders (libzstd 1.5.4 and 1.5.7)
+decode some corrupt frames to different bytes without noticing; the content checksum is what
+makes every reader reject such a frame instead of returning its own reading of it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ import zstandard
 from ..format.errors import CodecError
 
 DEFAULT_ZSTD_LEVEL = 3
+CHECKSUM_MINOR = 4  # KVW-CODEC-5: from this format_minor on, every zstd frame must carry a content checksum
+
+
+def checksum_required(header) -> bool:
+    """Whether ``header``'s container must checksum every zstd frame (KVW-CODEC-5)."""
+    return header.format_minor >= CHECKSUM_MINOR
 
 
 class BodyEncoder:
@@ -26,7 +38,7 @@ class BodyEncoder:
         if codec not in ("raw", "zstd"):
             raise ValueError(f"unknown codec {codec!r}")
         self.codec = codec
-        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False) \
+        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True) \
             if codec == "zstd" else None
 
     def encode(self, pieces: list) -> list:
@@ -48,11 +60,13 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def decode_body(codec: str, stored, raw_length: int, out=None):
+def decode_body(codec: str, stored, raw_length: int, out=None, *, checksum_required: bool = False):
     """Raw bytes of a body. ``raw`` returns ``stored`` itself (a view); ``zstd`` decodes,
     into ``out`` when given: a writable buffer of raw_length bytes, or a list of writable
     byte buffers whose concatenation is (for example one run per head of a placement).
-    With ``out`` a zstd frame is decompressed straight into it, with no intermediate copy."""
+    With ``out`` a zstd frame is decompressed straight into it, with no intermediate copy.
+    ``checksum_required``: the container's format_minor is 4 or more, so a frame without a
+    content checksum is rejected (KVW-CODEC-5); a checksum present is always verified."""
     targets = None if out is None else [memoryview(t).cast("B") for t in (out if isinstance(out, list) else [out])]
     if targets is not None and sum(t.nbytes for t in targets) != raw_length:
         raise ValueError(f"out holds {sum(t.nbytes for t in targets)} bytes, the body decodes to {raw_length}")
@@ -72,11 +86,14 @@ def decode_body(codec: str, stored, raw_length: int, out=None):
         raise CodecError("DECODED_SIZE_MISMATCH", f"zstd frame declares {declared} bytes, record says {raw_length}",
                          rule="KVW-CODEC-2")
     try:
-        dict_id = zstandard.get_frame_parameters(stored).dict_id
+        params = zstandard.get_frame_parameters(stored)
     except zstandard.ZstdError as exc:
         raise CodecError("DECODE_FAILED", f"zstd frame header invalid: {exc}", rule="KVW-CODEC-2") from None
-    if dict_id:
-        raise CodecError("DECODE_FAILED", f"zstd frame needs dictionary {dict_id}", rule="KVW-CODEC-3")
+    if params.dict_id:
+        raise CodecError("DECODE_FAILED", f"zstd frame needs dictionary {params.dict_id}", rule="KVW-CODEC-3")
+    if checksum_required and not params.has_checksum:
+        raise CodecError("ZSTD_CHECKSUM_MISSING", f"zstd frame without a content checksum in a container of format "
+                         f"1.{CHECKSUM_MINOR} or later", rule="KVW-CODEC-5")
     if targets is not None and _frame_end(stored, raw_length) == memoryview(stored).nbytes:
         _decompress_into(stored, raw_length, targets)
         return out
