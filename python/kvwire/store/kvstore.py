@@ -55,6 +55,8 @@ from ..format.prefix import PREFIX_SCHEME, prefix_root
 from ..model.compat import LocalModel, check_compatible
 from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
 from .keys import KeySpace, codec_fidelity, header_mismatches, held_layers, range_map
+from .auth import Keyring
+from .tagged import TagChecks, read_heads
 
 # Layer kinds whose cache is one row per token, so a chunk of tokens is a slice of every layer.
 TOKEN_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "mla_latent")
@@ -87,22 +89,27 @@ class Lookup:
     round_trips: int = 0  # requests to the store's servers (0 on local backends)
 
 
-class KVStore:
+class KVStore(TagChecks):
     """Chunk objects of KV caches in a ``Store`` (``MemoryStore``, ``LocalStore``, ...)."""
 
-    def __init__(self, store: Store, *, batch_bytes: int | None = None):
+    def __init__(self, store: Store, *, batch_bytes: int | None = None, auth: Keyring | None = None):
         """``batch_bytes``: object bytes per ``put_many``/``get_many`` batch (default: the
         backend's ``batch_bytes``, 256 MiB on a networked store, 16 MiB in process and on
-        local files)."""
+        local files). ``auth``: a ``kvwire.store.auth.Keyring``: every object written is
+        tagged, and an object is served only when its tag verifies (KVW-AUTH-*)."""
+        if auth is not None and not isinstance(auth, Keyring):
+            raise TypeError(f"auth must be None or a kvwire.store.auth.Keyring (Keyring.load()), not "
+                            f"{type(auth).__name__}")
         if not isinstance(store, Store):
             raise TypeError(f"KVStore needs a kvwire.store.Store (open_store(url)), not {type(store).__name__}")
         if batch_bytes is None:
             batch_bytes = store.batch_bytes
         if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes < 1:
             raise ValueError(f"batch_bytes must be None or a positive int, not {batch_bytes!r}")
-        self.store, self.batch_bytes = store, batch_bytes
+        self.store, self.batch_bytes, self.auth = store, batch_bytes, auth
         self.counts = dict(hits=0, misses=0, queries=0, objects_written=0, objects_skipped=0,
-                           checksum_failures=0, corrupt=0, incompatible=0, bytes_read=0, bytes_written=0)
+                           checksum_failures=0, corrupt=0, incompatible=0, bytes_read=0, bytes_written=0,
+                           auth_failures=0, auth_healed=0)
         self.last_get = dict(seconds=0.0, bytes=0, tensor_bytes=0)
         self.last_put = dict(seconds=0.0, bytes=0, tensor_bytes=0)
 
@@ -126,7 +133,7 @@ class KVStore:
         F = h.first_position // C  # the cache's first chunk
         hashes = space.hashes(toks, partial=partial)
         keys = [space.key(x) for x in hashes[F:]]
-        there = [True] * F + list(self.store.exists_many(keys))
+        there = [True] * F + self.present(keys)  # with auth: an untagged object is written again
         keys = [None] * F + keys
         out = PutResult(keys=keys[F:], skipped=sum(map(bool, there[F:])))
         root = prefix_root(space.fingerprint, C)
@@ -159,7 +166,7 @@ class KVStore:
 
     def _put_batch(self, batch, out: PutResult) -> None:
         """One ``put_many`` of (key, buffers) items: one round trip on a networked backend."""
-        done = self.store.put_many([(key, bufs) for key, bufs, _ in batch])
+        done = self.put_tagged([(key, bufs) for key, bufs, _ in batch])  # each with its tag (KVW-AUTH-3)
         for (_, _, n), written in zip(batch, done):
             if written:
                 out.written += 1
@@ -225,9 +232,11 @@ class KVStore:
         n = self.leading_hits(keys)
         if not n:
             return Lookup(0, 0, round_trips=self.store.stats.round_trips - trips0)
-        head = self.store.get(keys[0], (0, HEAD_BYTES))
-        read = [0 if head is None else len(head)]
+        (head,), (tag,) = read_heads(self.store, keys[:1], self.auth, HEAD_BYTES)  # one batch
+        read = [sum(len(x) for x in (head, tag) if x is not None)]
         got = None if head is None else self.check_head(keys[0], head, 0, hashes[0], space, [], read)
+        if got is not None and self.auth is not None and self.verify_head(got, tag) is None:
+            got = None  # KVW-AUTH-7
         trips = self.store.stats.round_trips - trips0
         if got is None:
             return Lookup(0, 0, bytes_read=read[0], round_trips=trips)
@@ -252,16 +261,19 @@ class KVStore:
             toks = toks[:n_chunks * space.chunk_tokens]  # the chain is sequential: later tokens change nothing
         hashes = space.hashes(toks, partial=True)
         keys = [space.key(x) for x in hashes]
-        heads = self.store.get_many(keys, (0, HEAD_BYTES))
-        read = [sum(len(x) for x in heads if x is not None)]  # object bytes this call read
+        heads, tags = read_heads(self.store, keys, self.auth, HEAD_BYTES)  # with auth: the tags in the batch
+        read = [sum(len(x) for x in heads + tags if x is not None)]  # object bytes this call read
         checked: list = []  # (key, header, first bytes) of the leading objects whose header passed
+        verified: list = []  # their tags (KVW-AUTH-6), with auth
         for k, (key, head) in enumerate(zip(keys, heads)):
             got = None if head is None else self.check_head(key, head, k, hashes[k], space, checked, read)
-            if got is None:
+            tag = None if got is None or self.auth is None else self.verify_head(got, tags[k])
+            if got is None or (self.auth is not None and tag is None):
                 break
             checked.append(got)
+            verified.append(tag)
         del heads
-        cache, hits, total = self._decode_all(checked, space, hashes, read)
+        cache, hits, total = self._decode_all(checked, space, hashes, read, verified)
         self.counts["hits"] += hits
         self.counts["misses"] += len(keys) - hits
         self.counts["bytes_read"] += read[0]
@@ -305,7 +317,7 @@ class KVStore:
                 and (not checked or (h.arch == checked[0][1].arch and h.kv_scales == checked[0][1].kv_scales
                                      and checked[-1][1].token_count == space.chunk_tokens)))
 
-    def _decode_all(self, checked, space, hashes, read):
+    def _decode_all(self, checked, space, hashes, read, verified):
         """(cache, chunks served, tokens) of the checked objects: bodies by batched
         ``get_many``, each decoded into its token slice of arrays of the final size."""
         if not checked:
@@ -328,7 +340,7 @@ class KVStore:
             for n in range(i, j):
                 key, h, head = checked[n]
                 buf = bodies.pop(n, head)
-                if buf is None or not self._decode_into(key, h, head, buf, outs, n * C):
+                if buf is None or not self._decode_into(key, h, head, buf, outs, n * C, verified[n]):
                     break  # evicted between the two reads, or corrupt: the hits end here
                 hits += 1
             i = j
@@ -341,15 +353,18 @@ class KVStore:
             PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(hashes[:hits])))
         return KVCache(header, outs), hits, served
 
-    def _decode_into(self, key, h, head, buf, outs, start: int) -> bool:
-        """Decode one object, checksums verified, into tokens [start, start + count) of
-        ``outs``; False (the object counted and deleted) when it fails."""
+    def _decode_into(self, key, h, head, buf, outs, start: int, tag=None) -> bool:
+        """Decode one object, checksums (and with ``tag``, its digests: KVW-AUTH-6) verified,
+        into tokens [start, start + count) of ``outs``; False (the object counted and
+        deleted) when it fails."""
         try:
             r = Reader(buf, known_header=(h, head))  # header bytes as checked: not parsed again
             if r.header != h:  # objects are immutable: a changed one is not the one checked
                 self.counts["incompatible"] += 1
                 self.store.delete(key)
                 return False
+            if tag is not None and not (self.verify_index(key, tag, r, buf) and self.verify_bodies(key, tag, r, buf)):
+                return False  # counted (and a forged one deleted) by the tag checks
             stop = start + h.token_count
             for i, layer in enumerate(outs):
                 r.layer(i, verify=True, out={c: x[:, start:stop, :] for c, x in layer.items()})

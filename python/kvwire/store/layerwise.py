@@ -36,6 +36,7 @@ from ..format.container import FRAME_SIZE, TRAILER_SIZE, align_up
 from ..format.errors import ChecksumError, FormatError
 from .keys import KeySpace
 from .kvstore import HEAD_BYTES, KVStore, token_bytes
+from .tagged import read_heads
 
 RECORD_BYTES = 56  # a ChunkRecord in the index vector
 
@@ -64,14 +65,17 @@ class LayerwiseLoad:
         hashes = space.hashes(toks, partial=True)
         self.keys = [space.key(x) for x in hashes]
         read = [0]
-        heads = kv.store.get_many(self.keys, (0, HEAD_BYTES)) if self.keys else []
-        read[0] += sum(len(x) for x in heads if x is not None)
+        heads, tags = read_heads(kv.store, self.keys, kv.auth, HEAD_BYTES)  # with auth: the tags in the batch
+        read[0] += sum(len(x) for x in heads + tags if x is not None)
         checked: list = []
+        self.tags: list = []  # with auth: each opened object's verified tag (KVW-AUTH-6)
         for k, (key, head) in enumerate(zip(self.keys, heads)):
             got = None if head is None else kv.check_head(key, head, k, hashes[k], space, checked, read)
-            if got is None:
+            tag = None if got is None or kv.auth is None else kv.verify_head(got, tags[k])
+            if got is None or (kv.auth is not None and tag is None):
                 break
             checked.append(got)
+            self.tags.append(tag)
         self.readers: list[Reader] = []
         self.buffers: list = []
         self._open(checked, read)
@@ -107,6 +111,8 @@ class LayerwiseLoad:
             if r.header != h:  # objects are immutable: a changed one is not the one checked
                 self._bad(key, "incompatible")
                 break
+            if self.tags[n] is not None and not self.kv.verify_index(key, self.tags[n], r, buf):
+                break  # the index is not the tagged one: counted, deleted (KVW-AUTH-6)
             self.readers.append(r)
             self.buffers.append(buf)
 
@@ -190,6 +196,10 @@ class LayerwiseLoad:
             if a >= self.served:
                 break
             b = a + r.header.token_count
+            if self.tags[n] is not None and not self.kv.verify_bodies(self.keys[n], self.tags[n], r, self.buffers[n],
+                                                                       layer):
+                self._cut(n, None)  # a body is not the tagged one: counted, deleted (KVW-AUTH-6)
+                continue
             try:
                 r.layer(layer, verify=True, out={c: x[:, a:b, :] for c, x in out.items()})
             except ChecksumError:

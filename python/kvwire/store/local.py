@@ -2,90 +2,142 @@
 
 Why files: nothing needs a server to try kvwire, several processes on one machine share
 the directory, and the kernel's page cache does the caching. The rules it keeps
-(spec/store.md, KVW-STORE-7..10):
+(spec/store.md section 3, KVW-STORE-7..10 and 28..35):
 
+- *The store owns only its objects.* A store directory carries the marker
+  ``.kvwire-store`` that kvwire writes when it creates the store (an empty or missing
+  directory) or when an operator adopts one (``kvwire store init``); a non-empty directory
+  without it is refused, and nothing is ever deleted where it is missing. Eviction and
+  ``gc`` consider only kvwire objects: regular files at valid key paths that start with the
+  container magic (checked again right before each unlink), and only this store's own
+  temporaries (``.tmp-<pid>-<hex>``). ``local_fs`` holds those rules.
+- *No escape from the root.* The root is resolved once (``realpath``) when the store is
+  opened; below it every directory is opened segment by segment with ``O_NOFOLLOW``
+  relative to its parent, and files are opened, linked, stat-ed and unlinked relative to
+  their directory's descriptor, so a symbolic link inside the store leads nowhere.
+- *Private by default.* Directories kvwire makes are 0700 and objects 0600 (set with
+  ``fchmod``, whatever the umask), and a store owned by another user or writable by others
+  is refused, unless the URL says ``?shared=group`` (0770 + setgid, 0640).
 - *Atomic, no-overwrite publish.* An object is written to an unnamed ``O_TMPFILE`` in its
   directory (or, where that is refused, a dot-named temporary file) and then *linked* to
   its name. ``link`` fails when the name exists, so a concurrent writer of the same key
   loses cleanly (counted as skipped) and a reader sees either no file or the whole one.
-  A killed writer leaves nothing behind (O_TMPFILE) or a dot file that ``gc`` removes.
 - *Ranged reads* use ``pread`` of the range alone: the file is never read whole for a
   header.
 - *LRU eviction under a size cap.* Every successful ``get`` stamps the file's atime with
   ``utime`` (explicitly, so it does not depend on the mount's relatime/noatime). When this
-  process's estimate of the directory's size passes the cap (or every ``rescan_puts``
-  puts), it walks the directory and unlinks the files with the oldest atime until the total
-  is under 90% of the cap. Unlinking never disturbs a reader that already opened the
-  file (POSIX keeps the inode until it is closed), so eviction can only turn a later
-  lookup into a miss, never into a partial or wrong object.
+  process's estimate of the store's size passes the cap (or every ``rescan_puts`` puts), it
+  walks the directory and unlinks the objects with the oldest atime until the total is
+  under 90% of the cap. Unlinking never disturbs a reader that already opened the file
+  (POSIX keeps the inode until it is closed), so eviction can only turn a later lookup into
+  a miss, never into a partial or wrong object.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 import time
-import secrets
 
 from ..cache.files import write_all
-from .base import LOCAL_BATCH_BYTES, Store, StoreError, check_key, check_keys, resolve_range
+from . import local_fs as fs
+from .base import LOCAL_BATCH_BYTES, Store, StoreError, as_buffers, check_key, check_keys, resolve_range
 
 LOW_WATER = 0.9  # eviction stops below this fraction of the cap
-TEMP_PREFIX = ".tmp-"
-STALE_TEMP_SECONDS = 3600.0
+TEMP_PREFIX, STALE_TEMP_SECONDS, MARKER = fs.TEMP_PREFIX, fs.STALE_TEMP_SECONDS, fs.MARKER
+RDONLY = os.O_RDONLY | fs.NOFOLLOW | fs.CLOEXEC
 
 
 class LocalStore(Store):
+    """``root``: the store directory. ``shared``: "private" (default) or "group"
+    (KVW-STORE-33). ``create``: make a missing or empty directory a store (False: open an
+    existing store only; ``kvwire store ls/stats/inspect/gc`` never create one)."""
+
     batch_bytes = LOCAL_BATCH_BYTES
-    def __init__(self, root, *, max_bytes: int | None = None, rescan_puts: int = 64, fsync: bool = False):
+
+    def __init__(self, root, *, max_bytes: int | None = None, rescan_puts: int = 64, fsync: bool = False,
+                 shared: str = "private", create: bool = True):
         super().__init__()
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
             raise ValueError(f"max_bytes must be a positive int or None, not {max_bytes!r}")
-        self.root = os.path.abspath(os.fspath(root))
-        self.url = "file://" + self.root
+        self.shared = fs.check_shared(shared)
+        given = fs.check_root_path(os.fspath(root))
+        self.root = os.path.realpath(given)  # once: a symlinked store directory is the user's choice
+        self.url = "file://" + self.root + ("" if shared == "private" else f"?shared={shared}")
+        self.dir_mode, self.file_mode = fs.SHARED[shared]
         self.max_bytes, self.rescan_puts, self.fsync = max_bytes, max(1, int(rescan_puts)), fsync
         self._estimate: int | None = None
         self._puts_since_scan = 0
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"{self.url}: cannot create the store directory: {exc}") from exc
+        self._containers: set = set()  # (inode, mtime, size) of files seen to start with the magic
+        fs.open_root(self.root, self.shared, create, self.url)
         self.use_tmpfile = self._can_link_unnamed()
+
+    def _dirs(self) -> fs.Dirs:
+        return fs.Dirs(self.root)
+
+    def require_marker(self, dirs: fs.Dirs, what: str) -> None:
+        """KVW-STORE-28: nothing is deleted from a directory that is not (any more) a store."""
+        if fs.read_marker(dirs.root_fd, self.url) is None:
+            raise StoreError(f"{self.url}: refusing to {what}: the directory has no {MARKER} marker, so it is not "
+                             f"a kvwire store (KVW-STORE-28); to adopt it: kvwire store init --url {self.url}")
 
     def _can_link_unnamed(self) -> bool:
         """Whether this file system links an O_TMPFILE file to a name (some refuse: EXDEV,
         EOPNOTSUPP); probed once, with a dot name that listings skip."""
         if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
             return False
-        probe = os.path.join(self.root, f"{TEMP_PREFIX}probe-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(self.root, os.O_TMPFILE | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError:
-            return False
-        try:
-            os.link(f"/proc/self/fd/{fd}", probe, follow_symlinks=True)
-            os.unlink(probe)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        probe = f"{TEMP_PREFIX}probe-{os.getpid()}-{secrets.token_hex(4)}"
+        with self._dirs() as dirs:
+            try:
+                fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | fs.CLOEXEC, 0o600, dir_fd=dirs.root_fd)
+            except OSError:
+                return False
+            try:
+                os.link(f"/proc/self/fd/{fd}", probe, dst_dir_fd=dirs.root_fd, follow_symlinks=True)
+                os.unlink(probe, dir_fd=dirs.root_fd)
+                return True
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
 
     def path(self, key: str) -> str:
+        """The file of ``key`` (for people and tests; the store itself never opens by path)."""
         check_key(key)
         return self.root + os.sep + (key if os.sep == "/" else key.replace("/", os.sep))
 
     # -- reads ---------------------------------------------------------------------------
     def get(self, key, byte_range=None):
-        path = self.path(key)
+        check_key(key)
+        with self._dirs() as dirs:
+            return self._get(dirs, key, byte_range)
+
+    def get_many(self, keys, byte_range=None) -> list:
+        with self._dirs() as dirs:
+            return [self._get(dirs, k, byte_range) for k in check_keys(keys)]
+
+    def get_ranges(self, requests) -> list:
+        requests = list(requests)
+        check_keys([k for k, _ in requests])
+        with self._dirs() as dirs:
+            return [self._get(dirs, k, r) for k, r in requests]
+
+    def _get(self, dirs: fs.Dirs, key: str, byte_range):
+        d, name = fs.split_key(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            dfd = dirs.get(d)
+            fd = None if dfd is None else os.open(name, RDONLY, dir_fd=dfd)
         except (FileNotFoundError, NotADirectoryError):
+            fd = None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # a link planted at the key: not an object, a miss
+                raise StoreError(f"{self.url}: cannot open {key!r}: {exc}") from exc
+            fd = None
+        if fd is None:
             self.count(gets=1, misses=1)
             return None
-        except OSError as exc:
-            raise StoreError(f"{self.url}: cannot open {key!r}: {exc}") from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -111,129 +163,136 @@ class LocalStore(Store):
         self.count(gets=1, hits=1, bytes_in=len(out))
         return out
 
+    def _stat(self, dirs: fs.Dirs, key: str):
+        """The ``lstat`` of ``key``'s file, None when missing (or a segment is a link)."""
+        d, name = fs.split_key(key)
+        try:
+            dfd = dirs.get(d)
+            return None if dfd is None else os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.url}: stat of {key!r} failed: {exc}") from exc
+
     def exists(self, key) -> bool:
-        self.count(exists_calls=1)
-        return self._is_file(self.path(key))
+        return self.exists_many([key])[0]
 
     def exists_many(self, keys) -> list[bool]:
-        paths = [self.path(k) for k in keys]
+        keys = check_keys(keys)
         self.count(exists_calls=1)
-        return [self._is_file(p) for p in paths]
+        with self._dirs() as dirs:
+            return [(st := self._stat(dirs, k)) is not None and stat.S_ISREG(st.st_mode) for k in keys]
 
     def leading(self, keys) -> int:
         """Leading keys that exist, stopping at the first miss. The keys are checked in one
-        pass, and each is ``stat``-ed relative to its open directory (a request's chunk
-        keys share one), so the kernel does not walk the key's eight path segments 512
-        times."""
+        pass, and each is ``stat``-ed relative to its directory's descriptor (a request's
+        chunk keys share one, resolved once)."""
         self.count(exists_calls=1)
-        n, dir_name, dir_fd = 0, None, None
-        try:
+        n = 0
+        with self._dirs() as dirs:
             for k in check_keys(keys):
-                d, _, name = k.rpartition("/")
-                if d != dir_name:
-                    if dir_fd is not None:
-                        os.close(dir_fd)
-                        dir_fd = None
-                    dir_name = d
-                    try:
-                        dir_fd = os.open(self.root + ("/" + d if d else ""), os.O_RDONLY | os.O_DIRECTORY)
-                    except (FileNotFoundError, NotADirectoryError):
-                        break
-                try:
-                    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                        break
-                except (FileNotFoundError, NotADirectoryError):
+                st = self._stat(dirs, k)
+                if st is None or not stat.S_ISREG(st.st_mode):
                     break
                 n += 1
-        except OSError as exc:
-            raise StoreError(f"{self.url}: stat failed: {exc}") from exc
-        finally:
-            if dir_fd is not None:
-                os.close(dir_fd)
         return n
-
-    def _is_file(self, path: str) -> bool:
-        try:
-            return stat.S_ISREG(os.lstat(path).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as exc:
-            raise StoreError(f"{self.url}: stat of {path!r} failed: {exc}") from exc
-
-    def list(self, prefix: str = "") -> list[str]:
-        return sorted(k for k, _, _ in self._walk() if k.startswith(prefix))
 
     def sizes(self, keys) -> list:
         """Each key's file size by ``lstat`` (None: no regular file), reading no bytes."""
-        out = []
-        for path in [self.path(k) for k in keys]:
-            try:
-                st = os.lstat(path)
-            except (FileNotFoundError, NotADirectoryError):
-                out.append(None)
-                continue
-            except OSError as exc:
-                raise StoreError(f"{self.url}: stat of {path!r} failed: {exc}") from exc
-            out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
-        return out
+        keys = check_keys(keys)
+        with self._dirs() as dirs:
+            return [st.st_size if (st := self._stat(dirs, k)) is not None and stat.S_ISREG(st.st_mode) else None
+                    for k in keys]
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(k for k, _, _ in self._files() if k.startswith(prefix))
 
     def info(self) -> dict:
-        """Objects and bytes of the directory (one walk), its cap, and the dot-named
-        temporaries: all of them and those older than an hour that ``gc`` removes."""
-        objects = total = 0
-        for _, size, _ in self._walk():
-            objects += 1
-            total += size
-        temps = stale = 0
+        """Objects and bytes of the store (one walk), the kvwire containers among them (what
+        the cap counts and eviction may remove), its cap, and this store's temporaries: all
+        of them and those older than an hour that ``gc`` removes."""
+        objects = total = containers = container_bytes = temps = stale = 0
         now = time.time()
-        for dirpath, _, files in os.walk(self.root):
-            for name in files:
-                if not name.startswith(TEMP_PREFIX):
-                    continue
-                try:
-                    age = now - os.lstat(os.path.join(dirpath, name)).st_mtime
-                except FileNotFoundError:
-                    continue
-                temps += 1
-                stale += age > STALE_TEMP_SECONDS
-        return {"url": self.url, "backend": type(self).__name__, "root": self.root, "objects": objects,
-                "bytes": total, "max_bytes": self.max_bytes, "temporaries": temps, "stale_temporaries": stale}
+        with self._dirs() as dirs:
+            for rel, dfd, _, files in fs.walk(dirs.root_fd):
+                for name in files:
+                    if fs.TEMP_RE.fullmatch(name):
+                        st = self._lstat_at(dfd, name)
+                        if st is not None and stat.S_ISREG(st.st_mode):
+                            temps += 1
+                            stale += now - st.st_mtime > STALE_TEMP_SECONDS
+                    elif fs.key_of(rel, name) is not None and (got := self._probe(dfd, name)) is not None:
+                        objects += 1
+                        total += got[0].st_size
+                        containers += got[1]
+                        container_bytes += got[0].st_size if got[1] else 0
+        return {"url": self.url, "backend": type(self).__name__, "root": self.root, "shared": self.shared,
+                "objects": objects, "bytes": total, "kvwire_objects": containers, "kvwire_bytes": container_bytes,
+                "max_bytes": self.max_bytes, "temporaries": temps, "stale_temporaries": stale}
 
-    def _walk(self):
-        """(key, size, atime_ns) of every object; dot names (temporaries) are skipped."""
-        for dirpath, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            rel = os.path.relpath(dirpath, self.root)
-            base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in files:
-                if name.startswith("."):
-                    continue
-                try:
-                    st = os.lstat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue  # evicted or deleted meanwhile
-                if stat.S_ISREG(st.st_mode):
-                    yield base + name, st.st_size, st.st_atime_ns
+    @staticmethod
+    def _lstat_at(dfd: int, name: str):
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def _probe(self, dfd: int, name: str):
+        """(stat, starts with the magic) of a regular file; a file seen before is not read
+        again (objects are immutable)."""
+        st = self._lstat_at(dfd, name)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return None
+        if (st.st_ino, st.st_mtime_ns, st.st_size) in self._containers:
+            return st, True
+        got = fs.probe_object(dfd, name)
+        if got is not None and got[1]:
+            if len(self._containers) > 1 << 20:
+                self._containers.clear()
+            self._containers.add((got[0].st_ino, got[0].st_mtime_ns, got[0].st_size))
+        return got
+
+    def _files(self, containers_only: bool = False):
+        """(key, size, atime_ns) of every regular file at a valid key path (with
+        ``containers_only``: of every kvwire object, KVW-STORE-34); links are not followed."""
+        with self._dirs() as dirs:
+            for rel, dfd, _, files in fs.walk(dirs.root_fd):
+                for name in files:
+                    key = fs.key_of(rel, name)
+                    if key is None:
+                        continue
+                    if containers_only:
+                        got = self._probe(dfd, name)
+                        if got is not None and got[1]:
+                            yield key, got[0].st_size, got[0].st_atime_ns
+                        continue
+                    st = self._lstat_at(dfd, name)
+                    if st is not None and stat.S_ISREG(st.st_mode):
+                        yield key, st.st_size, st.st_atime_ns
 
     # -- writes --------------------------------------------------------------------------
     def put(self, key, value) -> bool:
-        path = self.path(key)
-        if self._is_file(path):
+        check_key(key)
+        with self._dirs() as dirs:
+            return self._put(dirs, key, value)
+
+    def put_many(self, items) -> list[bool]:
+        items = list(items)
+        check_keys([k for k, _ in items])
+        with self._dirs() as dirs:
+            return [self._put(dirs, k, v) for k, v in items]
+
+    def _put(self, dirs: fs.Dirs, key: str, value) -> bool:
+        st = self._stat(dirs, key)
+        if st is not None and stat.S_ISREG(st.st_mode):
             self.count(puts=1, skipped=1)
             return False
+        buffers = as_buffers(value)
+        if self.max_bytes is not None and len(buffers) == 1 and buffers[0].nbytes > self.max_bytes:
+            raise StoreError(f"object {key!r} of {buffers[0].nbytes} bytes exceeds the size cap of {self.max_bytes}")
+        d, name = fs.split_key(key)
         try:
-            single = memoryview(value).cast("B")
-        except TypeError:
-            single = None
-        if single is None and (isinstance(value, str) or not hasattr(value, "__iter__")):
-            raise TypeError(f"a store value is bytes-like or a sequence of bytes-like buffers, not "
-                            f"{type(value).__name__}")
-        buffers = [single] if single is not None else value
-        if self.max_bytes is not None and single is not None and single.nbytes > self.max_bytes:
-            raise StoreError(f"object {key!r} of {single.nbytes} bytes exceeds the size cap of {self.max_bytes}")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            written, size = self._publish(path, buffers)
+            written, size = self._publish(dirs.get(d, self.dir_mode), name, buffers)
         except StoreError:
             raise
         except OSError as exc:
@@ -246,11 +305,10 @@ class LocalStore(Store):
         self._after_put(size)
         return True
 
-    def _publish(self, path: str, buffers) -> tuple[bool, int]:
-        d = os.path.dirname(path)
+    def _publish(self, dfd: int, name: str, buffers) -> tuple[bool, int]:
         if self.use_tmpfile:
             try:
-                fd = os.open(d, os.O_TMPFILE | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+                fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | fs.CLOEXEC, 0o600, dir_fd=dfd)
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                     raise
@@ -259,47 +317,58 @@ class LocalStore(Store):
                 try:
                     size = self._fill(fd, buffers)
                     try:
-                        os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+                        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
                     except FileExistsError:
                         return False, size
                     return True, size
                 finally:
                     os.close(fd)
-        tmp = os.path.join(d, f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        tmp = f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fs.NOFOLLOW | fs.CLOEXEC, 0o600, dir_fd=dfd)
         try:
             try:
                 size = self._fill(fd, buffers)
             finally:
                 os.close(fd)
             try:
-                os.link(tmp, path)
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             except FileExistsError:
                 return False, size
             return True, size
         finally:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dfd)
 
     def _fill(self, fd: int, buffers) -> int:
+        os.fchmod(fd, self.file_mode)  # KVW-STORE-31: the mode is the store's, not the umask's
         size = write_all(fd, buffers)
         if self.fsync:
             os.fsync(fd)
         return size
 
     def delete(self, key) -> bool:
-        try:
-            os.unlink(self.path(key))
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as exc:
-            raise StoreError(f"{self.url}: deleting {key!r} failed: {exc}") from exc
+        """Unlink the regular file of ``key`` (never a link, never through one); refused
+        where the store marker is missing (KVW-STORE-28)."""
+        check_key(key)
+        d, name = fs.split_key(key)
+        with self._dirs() as dirs:
+            self.require_marker(dirs, f"delete {key!r}")
+            st = self._stat(dirs, key)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                return False
+            try:
+                os.unlink(name, dir_fd=dirs.get(d))
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            except OSError as exc:
+                raise StoreError(f"{self.url}: deleting {key!r} failed: {exc}") from exc
         self.count(deletes=1)
         return True
 
     # -- size cap ------------------------------------------------------------------------
     @property
     def total_bytes(self) -> int:
-        return sum(size for _, size, _ in self._walk())
+        """Bytes of the kvwire objects: what the cap counts (KVW-STORE-34)."""
+        return sum(size for _, size, _ in self._files(containers_only=True))
 
     def _after_put(self, size: int) -> None:
         if self.max_bytes is None:
@@ -311,9 +380,10 @@ class LocalStore(Store):
             self.evict()
 
     def evict(self, target: int | None = None) -> int:
-        """Unlink least-recently-used objects until the directory holds at most ``target``
-        bytes (default: 90% of the cap when over the cap); returns how many were removed."""
-        objects = sorted(self._walk(), key=lambda o: o[2])
+        """Unlink least-recently-used kvwire objects until they hold at most ``target``
+        bytes (default: 90% of the cap when over the cap); returns how many were removed.
+        Files that are not kvwire objects are neither counted nor removed (KVW-STORE-34)."""
+        objects = sorted(self._files(containers_only=True), key=lambda o: o[2])
         total = sum(o[1] for o in objects)
         self._puts_since_scan = 0
         if target is None:
@@ -322,32 +392,52 @@ class LocalStore(Store):
                 return 0
             target = int(self.max_bytes * LOW_WATER)
         removed = 0
-        for key, size, _ in objects:
-            if total <= target:
-                break
-            try:
-                os.unlink(self.path(key))
-                removed += 1
-            except FileNotFoundError:
-                pass  # another process evicted or deleted it
-            total -= size
+        with self._dirs() as dirs:
+            if total > target:
+                self.require_marker(dirs, "evict")
+            for key, size, _ in objects:
+                if total <= target:
+                    break
+                removed += self._unlink_object(dirs, key)
+                total -= size
         self._estimate = total
         self.count(evictions=removed)
         return removed
 
+    def _unlink_object(self, dirs: fs.Dirs, key: str) -> bool:
+        """Unlink ``key`` after checking, right before, that it is still a kvwire object."""
+        d, name = fs.split_key(key)
+        dfd = dirs.get(d)
+        got = None if dfd is None else fs.probe_object(dfd, name)
+        if got is None or not got[1]:
+            return False  # gone meanwhile, or no longer a kvwire object: left alone
+        try:
+            os.unlink(name, dir_fd=dfd)
+            return True
+        except FileNotFoundError:
+            return False  # another process evicted or deleted it
+
     def gc(self) -> int:
-        """Remove dot-named temporary files older than an hour (writers killed mid-put)."""
+        """Remove this store's temporary files older than an hour (writers killed mid-put);
+        no other file (KVW-STORE-34)."""
         removed, now = 0, time.time()
-        for dirpath, _, files in os.walk(self.root):
-            for name in files:
-                p = os.path.join(dirpath, name)
-                try:
-                    if name.startswith(TEMP_PREFIX) and now - os.lstat(p).st_mtime > STALE_TEMP_SECONDS:
-                        os.unlink(p)
-                        removed += 1
-                except FileNotFoundError:
-                    pass
+        with self._dirs() as dirs:
+            self.require_marker(dirs, "gc")
+            for _, dfd, _, files in fs.walk(dirs.root_fd):
+                for name in files:
+                    if not fs.TEMP_RE.fullmatch(name):
+                        continue
+                    st = self._lstat_at(dfd, name)
+                    if st is not None and stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TEMP_SECONDS:
+                        try:
+                            os.unlink(name, dir_fd=dfd)
+                            removed += 1
+                        except FileNotFoundError:
+                            pass
         return removed
 
+    def close(self) -> None:
+        pass
 
-__all__ = ["LocalStore"]
+
+__all__ = ["LocalStore", "MARKER"]

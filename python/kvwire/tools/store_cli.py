@@ -20,6 +20,8 @@ from ..cache.reader import Reader, probe
 from ..format import registry as R
 from ..format.errors import FormatError, TruncatedError
 from ..store import KeySpace, StoreError, open_store
+from ..store.local_admin import init_store
+from ..store.urls import file_url
 from ..store.keys import KEY_VERSION, header_mismatches
 from ..store.kvstore import HEAD_BYTES
 from .cliargs import count
@@ -28,15 +30,19 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 BATCH = 256  # keys per batched sizes / ranged-get call
 MISMATCH = "STORE_KEY_MISMATCH"  # stderr code of an object whose header disagrees with its key
 DESCRIPTION = """Look into a kvwire store (spec/store.md) and clean it. URLs: file:///abs/dir,
-file://rel/dir, memory:// (one process: always empty here).
+file://rel/dir, file:///abs/dir?shared=group, memory:// (one process: always empty
+here), redis://HOST:PORT/DB. No command but init ever creates a file:// store.
 
   stats    the backend's own figures, then objects and bytes per key root
   ls       keys with sizes; --long adds each object's token range from its header
   inspect  one object: its key parsed, its header, the KVW-STORE-17 verdict; --verify
            also checks every checksum (exit 1 when the object is bad, 2 when missing)
   gc       remove stale temporaries, and with --fingerprint / --max-bytes / --verify a
-           model's objects, the least recently used ones, or the bad ones; --dry-run
-           only says what it would remove
+           model's objects, the least recently used ones, or the bad ones (--all: every
+           object); --dry-run only says what it would remove. Only kvwire objects are
+           ever removed, and on file:// only in a directory with the store marker
+  init     make a directory a file:// store (create it, or adopt one that holds only
+           kvwire objects; refused naming the first other file)
 
 Reading a header is a get: on file:// it counts as a use for the LRU clock."""
 
@@ -71,11 +77,15 @@ def configure_cli(p) -> None:
     s.add_argument("key")
     s.add_argument("--verify", action="store_true", help="read the whole object and verify every checksum")
     s.add_argument("--json", action="store_true")
+    s = command("init", "create a file:// store, or adopt a directory holding only kvwire objects (KVW-STORE-35)",
+                cmd_init)
     s = command("gc", "remove stale temporaries, and the objects the options select", cmd_gc)
     s.add_argument("--fingerprint", type=fingerprint_hex, help="remove every object of this model (compat "
                                                                "fingerprint in hex), e.g. after a weight update")
     s.add_argument("--max-bytes", type=count, help="evict least-recently-used objects until at most N bytes "
-                                                   "remain (file:// only)")
+                                                   "remain (file:// only; 0 needs --all)")
+    s.add_argument("--all", action="store_true", help="remove every kvwire object (what --max-bytes 0 does; "
+                                                      "file:// only)")
     s.add_argument("--verify", action="store_true", help="remove every kvw1 object failing its key checks or "
                                                          "checksums (reads every object whole; runs last)")
     s.add_argument("--dry-run", action="store_true", help="remove nothing; print what would be removed")
@@ -85,7 +95,9 @@ def _guarded(func):
     """A store that fails (StoreError: unreachable, unsupported URL, I/O) is one line, exit 2."""
     def run(args) -> int:
         try:
-            with open_store(args.url) as store:
+            if func is cmd_init:
+                return cmd_init(args)
+            with open_store(args.url, create=False) as store:  # only init creates a store
                 return func(args, store)
         except StoreError as exc:
             print(f"kvwire store {args.store_cmd}: error: {exc}", file=sys.stderr)
@@ -304,9 +316,33 @@ def _print_inspect(store, d, bad) -> None:
         print(f"  checksums  FAILED: {d['error']['message']}")
 
 
+# -- init -------------------------------------------------------------------------------------
+def cmd_init(args) -> int:
+    if not args.url.lower().startswith("file://"):
+        print(f"kvwire store init: error: init makes a file:// store; {args.url.split('://')[0]}:// stores need none",
+              file=sys.stderr)
+        return EXIT_USAGE
+    path, query = file_url(args.url)
+    done = init_store(path, **query)
+    print(f"{done['url']}: " + ("created a store" if done["created"] else
+                                f"adopted as a store ({done['adopted']} kvwire objects)" if done["adopted"] else
+                                "already a store"))
+    return EXIT_OK
+
+
 # -- gc ---------------------------------------------------------------------------------------
 def cmd_gc(args, store) -> int:
     backend = type(store).__name__
+    if args.max_bytes == 0 and not args.all:
+        print("kvwire store gc: error: --max-bytes 0 removes every object; give --all as well to empty the "
+              "store on purpose", file=sys.stderr)
+        return EXIT_USAGE
+    if args.all:
+        if args.max_bytes not in (None, 0):
+            print(f"kvwire store gc: error: --all removes every object; it contradicts --max-bytes {args.max_bytes}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        args.max_bytes = 0
     selected = args.fingerprint is not None or args.max_bytes is not None or args.verify
     if args.max_bytes is not None and not callable(getattr(store, "evict", None)):
         print(f"kvwire store gc: error: --max-bytes is not supported by {backend} ({store.url}): it has no "
@@ -325,8 +361,8 @@ def cmd_gc(args, store) -> int:
             gone[key] = size or 0
             print(f"{verb} {key} ({why})")
 
-    if args.fingerprint is not None:
-        keys = store.list(f"{KEY_VERSION}/{args.fingerprint}/")
+    if args.fingerprint is not None:  # only keys that parse as kvwire keys are ever touched
+        keys = [k for k in store.list(f"{KEY_VERSION}/{args.fingerprint}/") if _parse(k) is not None]
         for key, size in zip(keys, _sizes(store, keys)):
             remove(key, size, f"model {args.fingerprint[:12]}")
     temps = 0
@@ -347,7 +383,7 @@ def cmd_gc(args, store) -> int:
 def _evict(store, target: int, dry: bool, gone: dict) -> None:
     keys = [k for k in store.list() if k not in gone]
     sizes = dict(zip(keys, _sizes(store, keys)))
-    total = sum(s or 0 for s in sizes.values())
+    total = store.total_bytes  # the kvwire objects only: other files neither count nor go (KVW-STORE-34)
     if total <= target:
         print(f"{total} bytes <= --max-bytes {target}: nothing to evict")
         return
@@ -363,23 +399,24 @@ def _evict(store, target: int, dry: bool, gone: dict) -> None:
 
 
 def _verify_all(store, remove, gone: dict) -> None:
-    foreign = 0
+    foreign = unparsed = 0
     for key in store.list():
         if key in gone:
             continue
         if not key.startswith(KEY_VERSION + "/"):
             foreign += 1  # not a kvwire object (a shared server's other keys): left alone
             continue
-        try:
-            d = _check(store, key, verify=True)
-        except ValueError as exc:  # a kvw1 key no conforming writer makes (KVW-STORE-13..16)
-            remove(key, store.sizes([key])[0], f"bad key: {exc}")
+        if _parse(key) is None:  # a kvw1 key no conforming writer makes (KVW-STORE-13..16): not ours either
+            unparsed += 1
             continue
+        d = _check(store, key, verify=True)
         bad = _problem(d)
         if bad is not None and not d["missing"]:
             remove(key, d["size"], bad)
     if foreign:
         print(f"skipped {foreign} keys outside {KEY_VERSION}/ (not kvwire objects)")
+    if unparsed:
+        print(f"skipped {unparsed} keys under {KEY_VERSION}/ that do not parse as kvwire keys (not kvwire objects)")
 
 
 __all__ = ["configure_cli"]

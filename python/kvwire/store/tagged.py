@@ -1,0 +1,126 @@
+"""The tag hooks of ``KVStore`` (spec/store.md section 11, KVW-AUTH-6..8): where tags are
+written, fetched and checked.
+
+Why apart from ``auth``: that module is the keys and the tag format, which any tool can
+use on its own; this one is the store's use of them, written once for the whole-object
+reader (``KVStore``) and the layer-wise one (``LayerwiseLoad``). Tags are fetched in the
+batch that fetches the headers, so authentication costs no round trip; each stored body's
+SHA-256 is compared before that body is decoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+
+from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_preamble
+from .auth import MAX_TAG_BYTES, Tag, TagError, tag_key
+
+
+def read_heads(store, keys, keyring, head_bytes: int) -> tuple[list, list]:
+    """Each object's first ``head_bytes`` and, with a keyring, each object's tag, in one
+    batch: authentication costs no round trip (KVW-AUTH-6)."""
+    keys = list(keys)
+    if keyring is None or not keys:
+        return store.get_many(keys, (0, head_bytes)), [None] * len(keys)
+    got = store.get_ranges([(k, (0, head_bytes)) for k in keys] + [(tag_key(k), (0, MAX_TAG_BYTES)) for k in keys])
+    return got[:len(keys)], got[len(keys):]
+
+
+class TagChecks:
+    """The tag hooks of ``KVStore`` (it has ``store``, ``counts`` and ``auth``): writers tag
+    and heal (KVW-AUTH-8), readers verify before they use a byte (KVW-AUTH-6, 7)."""
+
+    auth = None  # a Keyring: every object written is tagged and every object read verified
+
+    # -- writing -------------------------------------------------------------------------
+    def present(self, keys) -> list:
+        """Which objects of ``keys`` a writer skips: those that exist, and with a keyring
+        have a tag that verifies (or is under a key id it does not hold: a writer with a
+        newer key). An object without such a tag is deleted with its tag and written again;
+        a tag without its object is deleted (one batch to find them, a delete each)."""
+        if self.auth is None:
+            return list(self.store.exists_many(keys))
+        n = len(keys)
+        got = self.store.get_ranges([(k, (0, 0)) for k in keys] + [(tag_key(k), (0, MAX_TAG_BYTES)) for k in keys])
+        out = []
+        for key, obj, tag in zip(keys, got[:n], got[n:]):
+            try:
+                if obj is not None:
+                    self.auth.open(key, tag)
+                    out.append(True)
+                    continue
+            except TagError as exc:
+                if exc.kind == "foreign":
+                    out.append(True)
+                    continue
+                self.store.delete(key)
+                self.counts["auth_healed"] += 1
+            if tag is not None:
+                self.store.delete(tag_key(key))
+            out.append(False)
+        return out
+
+    def put_tagged(self, items) -> list:
+        """``put_many`` of ``(key, buffers)`` items, each followed by its tag when there is a
+        keyring (KVW-AUTH-3); the objects' results."""
+        if self.auth is None:
+            return self.store.put_many(items)
+        tagged = []
+        for key, bufs in items:
+            tagged += [(key, bufs), (tag_key(key), self.auth.tag(key, bufs))]
+        return self.store.put_many(tagged)[::2]
+
+    # -- reading -------------------------------------------------------------------------
+    def verify_head(self, got, data):
+        """The Tag of a checked object ``got`` = (key, header, first bytes) whose tag ``data``
+        verifies and covers those header bytes, else None (a miss, counted)."""
+        key, _, head = got
+        try:
+            t = self.auth.open(key, data)
+            _, hlen, _ = parse_preamble(head)
+            if not hmac.compare_digest(t.header, hashlib.sha256(memoryview(head)[:PREAMBLE_SIZE + hlen]).digest()):
+                raise TagError("the header is not the one tagged", "forged")
+            return t
+        except TagError as exc:
+            return self.auth_failed(key, exc)
+
+    def verify_index(self, key, t: Tag, reader, buf) -> bool:
+        """Before any body is used: the tag covers the index ``reader`` opened on ``buf``
+        and one digest per record."""
+        try:
+            if reader.form != "file" or len(t.bodies) != len(reader.records):
+                raise TagError("the tag's body count is not the object's", "forged")
+            off, n = struct.unpack_from("<QI", buf, len(buf) - TRAILER_SIZE)
+            if not hmac.compare_digest(t.index, hashlib.sha256(memoryview(buf)[off:off + n]).digest()):
+                raise TagError("the index is not the one tagged", "forged")
+            return True
+        except TagError as exc:
+            self.auth_failed(key, exc)
+            return False
+
+    def verify_bodies(self, key, t: Tag, reader, buf, layer: int | None = None) -> bool:
+        """Before they are decoded: the SHA-256 of each stored body (of ``layer``, or all)
+        is the tag's digest for its record."""
+        recs, view = reader.records, memoryview(buf)
+        for i in range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer):
+            a = int(recs["offset"][i])
+            got = hashlib.sha256(view[a:a + int(recs["stored_length"][i])]).digest()
+            if not hmac.compare_digest(got, t.bodies[i]):
+                self.auth_failed(key, TagError(f"body {i} is not the one tagged", "forged"))
+                return False
+        return True
+
+    def auth_failed(self, key, exc: TagError) -> None:
+        """Count a tag failure; a forged tag's object and tag are deleted (KVW-AUTH-7)."""
+        self.counts["auth_failures"] += 1
+        if exc.kind == "forged":
+            self.store.delete(key)
+            self.store.delete(tag_key(key))
+        return None
+
+
+__all__ = ["TagChecks", "read_heads"]
