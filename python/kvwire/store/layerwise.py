@@ -49,9 +49,10 @@ def max_records(h) -> int:
 
 class LayerwiseLoad:
     """The leading stored chunks of ``tokens`` (at most ``n_chunks``), to be read layer by
-    layer with ``load_layer`` (or ``fetch_layer`` over several loads, then ``decode``)."""
+    layer with ``load_layer`` (or ``fetch_layer`` over several loads, then ``decode``), for a
+    request of ``identity`` (a ``RequestIdentity``, KVW-IDENT-4; None: none)."""
 
-    def __init__(self, kv: KVStore, tokens, space: KeySpace, n_chunks: int | None = None):
+    def __init__(self, kv: KVStore, tokens, space: KeySpace, n_chunks: int | None = None, *, identity=None):
         if not isinstance(kv, KVStore):
             raise TypeError(f"LayerwiseLoad needs a kvwire.store.KVStore, not {type(kv).__name__}")
         if not isinstance(space, KeySpace):
@@ -63,14 +64,15 @@ class LayerwiseLoad:
         if n_chunks is not None and toks.ndim == 1:
             toks = toks[:n_chunks * space.chunk_tokens]
         hashes = space.hashes(toks, partial=True)
-        self.keys = [space.key(x) for x in hashes]
+        spaces = space.chunk_spaces(len(hashes), identity)
+        self.keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
         read = [0]
         heads, tags = read_heads(kv.store, self.keys, kv.auth, HEAD_BYTES)  # with auth: the tags in the batch
         read[0] += sum(len(x) for x in heads + tags if x is not None)
         checked: list = []
         self.tags: list = []  # with auth: each opened object's verified tag (KVW-AUTH-6)
         for k, (key, head) in enumerate(zip(self.keys, heads)):
-            got = None if head is None else kv.check_head(key, head, k, hashes[k], space, checked, read)
+            got = None if head is None else kv.check_head(key, head, k, hashes[k], spaces[k], checked, read)
             tag = None if got is None or kv.auth is None else kv.verify_head(got, tags[k])
             if got is None or (kv.auth is not None and tag is None):
                 break
