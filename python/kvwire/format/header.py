@@ -231,6 +231,10 @@ def _check_metadata(md: dict) -> None:
                   f"{L.MAX_BYTES_LENGTH}")
 
 
+# KVW-META-3: the keys of the reserved namespace that the specifications define (store.md KVW-IDENT-5)
+DEFINED_METADATA = frozenset({"kvwire.request_identity"})
+
+
 def check_writable(h: Header) -> None:
     """Rules only writers are bound by: what readers tolerate but no writer may emit."""
     check_header(h)
@@ -238,9 +242,10 @@ def check_writable(h: Header) -> None:
         raise ValueError(f"optional feature bits {h.optional_features:#x} are not assigned (KVW-REG-1)")
     if h.arch.schema_version != 1:
         raise ValueError("Architecture.schema_version must be 1 in format v1.0 (KVW-ARCH-9)")
-    reserved = [k for k in h.metadata if k.split(".", 1)[0] == "kvwire"]
+    reserved = [k for k in h.metadata if k.split(".", 1)[0] == "kvwire" and k not in DEFINED_METADATA]
     if reserved:
-        raise ValueError(f"metadata keys {reserved} use the reserved 'kvwire' namespace (KVW-META-3)")
+        raise ValueError(f"metadata keys {reserved} use the reserved 'kvwire' namespace (KVW-META-3; defined: "
+                         f"{', '.join(sorted(DEFINED_METADATA))})")
     KS.check_writable(h)  # kv_scales only with its bit (KVW-SCALE-1); format_minor (KVW-EVOL-12)
     # what the reader's FlatBuffers checks refuse (KVW-HDR-7, KVW-LIM-1), refused before it is written
     m, p = h.model, h.producer

@@ -10,6 +10,7 @@ redis-py is imported only when a Redis store is opened.
 
 from .base import Store, StoreError, StoreStats, resolve_range
 from .cluster import RedisClusterStore
+from .identity import Adapter, MultimodalItem, RequestIdentity, adapter_fingerprint
 from .keys import KeySpace, codec_fidelity
 from .kvstore import KVStore, LoadResult, Lookup, PutResult
 from .local import LocalStore
@@ -17,5 +18,5 @@ from .memory import MemoryStore
 from .redis import RedisStore
 from .urls import default_store_dir, default_store_url, open_store
 
-__all__ = ["KVStore", "KeySpace", "LoadResult", "LocalStore", "Lookup", "MemoryStore", "PutResult", "RedisClusterStore", "RedisStore", "Store", "StoreError",
+__all__ = ["Adapter", "KVStore", "MultimodalItem", "RequestIdentity", "adapter_fingerprint", "KeySpace", "LoadResult", "LocalStore", "Lookup", "MemoryStore", "PutResult", "RedisClusterStore", "RedisStore", "Store", "StoreError",
            "StoreStats", "codec_fidelity", "default_store_dir", "default_store_url", "open_store", "resolve_range"]

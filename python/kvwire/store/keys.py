@@ -11,6 +11,10 @@ not) and the chunk size::
 
     kvw1/<fingerprint hex>/<dtype>/tp<rank>of<size>/l<start>-<stop>/<fidelity>/c<chunk_tokens>/<chunk hash hex>
 
+and a chunk with a request identity (a tenant's salt, a LoRA adapter, an image before its
+end: ``identity.RequestIdentity``, spec/store.md section 10) has one more segment, its
+identity digest, before the hash (``.../c<chunk_tokens>/i<I_k hex>/<chunk hash hex>``).
+
 ``KeySpace.parse`` reads a key back (a store listed by ``kvwire store``), and
 ``header_mismatches`` says how an object's header disagrees with its key.
 """
@@ -25,6 +29,7 @@ from ..codecs.presets import PRESETS
 from ..format import registry as R
 from ..format.header import LayerMapEntry
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, prefix_hashes
+from .identity import DIGEST_SIZE, METADATA_KEY, check_identity
 
 KEY_VERSION = "kvw1"
 LOSSLESS = "lossless"
@@ -37,6 +42,7 @@ _SEGMENTS = {  # segment name -> strict pattern (re.fullmatch); the values are c
     "layers": re.compile(f"l{_DEC}-{_DEC}"),
     "chunk size": re.compile(f"c{_DEC}"),
     "hash": re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}"),
+    "identity": re.compile(rf"i[0-9a-f]{{{2 * DIGEST_SIZE}}}"),  # KVW-IDENT-5
 }
 
 
@@ -53,7 +59,9 @@ def codec_fidelity(codec) -> str:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """The key root of one model, dtype, shard, layer range, fidelity and chunk size."""
+    """The key root of one model, dtype, shard, layer range, fidelity and chunk size
+    (``identity_digest``: the request identity digest of the one chunk a key read back by
+    ``parse`` names, or of ``scoped``; None: no identity segment, KVW-IDENT-5)."""
 
     fingerprint: bytes
     dtype: str
@@ -62,6 +70,7 @@ class KeySpace:
     tp_rank: int = 0
     tp_size: int = 1
     fidelity: str = LOSSLESS
+    identity_digest: bytes | None = None
 
     def __post_init__(self):
         fp = bytes(self.fingerprint)
@@ -81,6 +90,11 @@ class KeySpace:
             raise ValueError(f"layer range {self.layers!r}: need 0 <= start < stop")
         if self.fidelity != LOSSLESS and (self.fidelity not in PRESETS or self.fidelity in LOSSLESS_CODECS):
             raise ValueError(f"fidelity {self.fidelity!r} is neither 'lossless' nor a lossy preset name")
+        if self.identity_digest is not None:
+            d = bytes(self.identity_digest)
+            if len(d) != DIGEST_SIZE:
+                raise ValueError(f"an identity digest is {DIGEST_SIZE} bytes (SHA-256, KVW-IDENT-2), not {len(d)}")
+            object.__setattr__(self, "identity_digest", d)
 
     @classmethod
     def of(cls, header, *, tp_rank: int = 0, tp_size: int = 1, codec="raw") -> "KeySpace":
@@ -98,7 +112,30 @@ class KeySpace:
         h = bytes(chunk_hash)
         if len(h) != HASH_SIZE:
             raise ValueError(f"a chunk hash is {HASH_SIZE} bytes, not {len(h)}")
+        if self.identity_digest is not None:
+            return f"{self.root}i{self.identity_digest.hex()}/{h.hex()}"
         return self.root + h.hex()
+
+    def scoped(self, digest: bytes | None) -> "KeySpace":
+        """This space for one chunk of identity digest ``digest`` (None: unscoped)."""
+        if digest == self.identity_digest:
+            return self
+        if digest is not None and len(digest) != DIGEST_SIZE:
+            raise ValueError(f"an identity digest is {DIGEST_SIZE} bytes (SHA-256, KVW-IDENT-2), not {len(digest)}")
+        out = object.__new__(KeySpace)  # the checked fields and the cached root, with another digest
+        out.__dict__.update(self.__dict__, identity_digest=None if digest is None else bytes(digest))
+        return out
+
+    def chunk_spaces(self, n_chunks: int, identity=None) -> list:
+        """The scoped space of each of chunks 0..n_chunks-1 of a request of ``identity``
+        (a ``RequestIdentity`` or None: every chunk unscoped, KVW-IDENT-4)."""
+        if self.identity_digest is not None:
+            raise ValueError("this space names one chunk's keys (a scoped space, from parse or scoped); a request's "
+                             "keys come from its unscoped space")
+        if check_identity(identity) is None:
+            return [self] * n_chunks
+        spaces: dict = {}
+        return [spaces.setdefault(d, self.scoped(d)) for d in identity.digests(n_chunks, self.chunk_tokens)]
 
     def hashes(self, tokens, *, partial: bool = False) -> list[bytes]:
         """The chain's hashes of the whole chunks of ``tokens`` (and of the trailing partial
@@ -109,22 +146,30 @@ class KeySpace:
             out.pop()
         return out
 
-    def keys(self, tokens, *, partial: bool = False) -> list[str]:
-        """The keys of the chunk objects of ``tokens``, in order (KVW-STORE-11)."""
-        return [self.key(h) for h in self.hashes(tokens, partial=partial)]
+    def keys(self, tokens, *, partial: bool = False, identity=None) -> list[str]:
+        """The keys of the chunk objects of ``tokens``, in order (KVW-STORE-11), for a request
+        of ``identity`` (a ``RequestIdentity``; None: none, KVW-IDENT-4)."""
+        hashes = self.hashes(tokens, partial=partial)
+        return [s.key(h) for s, h in zip(self.chunk_spaces(len(hashes), identity), hashes)]
 
     @classmethod
     def parse(cls, key: str) -> tuple[KeySpace, bytes]:
         """(space, chunk hash) of a key, the inverse of ``key``: strictly the layout of
         KVW-STORE-13..16 (lower-case hex, decimals without leading zeros, 0 <= rank < size,
-        start < stop, a registry dtype, "lossless" or a lossy preset); anything else is a
-        ValueError naming the bad segment."""
+        start < stop, a registry dtype, "lossless" or a lossy preset), with or without the
+        identity segment ``i<64 hex>`` of KVW-IDENT-5 (then ``space.identity_digest``);
+        anything else is a ValueError naming the bad segment."""
         if not isinstance(key, str):
             raise TypeError(f"a store key is a str, not {type(key).__name__}")
         parts = key.split("/")
-        if len(parts) != 8:
+        if len(parts) not in (8, 9):
             raise ValueError(f"key {key[:120]!r}: {len(parts)} segments, a {KEY_VERSION} key has 8 "
-                             f"({KEY_VERSION}/<fp>/<dtype>/tp<r>of<n>/l<a>-<b>/<fidelity>/c<C>/<hash>)")
+                             f"({KEY_VERSION}/<fp>/<dtype>/tp<r>of<n>/l<a>-<b>/<fidelity>/c<C>/<hash>) or, with a "
+                             "request identity, 9 (.../c<C>/i<identity digest>/<hash>)")
+        ident = parts.pop(7) if len(parts) == 9 else None
+        if ident is not None and _SEGMENTS["identity"].fullmatch(ident) is None:
+            raise ValueError(f"key {key[:120]!r}: 9 segments, so a bad identity segment {ident!r} before the hash "
+                             f"({_EXPECT['identity']})")
         version, fp, dtype, shard, layers, fidelity, chunk, h = parts
         if version != KEY_VERSION:
             raise ValueError(f"key {key[:120]!r}: version segment {version!r} is not {KEY_VERSION!r}")
@@ -148,7 +193,8 @@ class KeySpace:
             raise ValueError(f"key {key[:120]!r}: bad layers segment {layers!r}: need start < stop (KVW-STORE-16)")
         if not 1 <= c < 1 << 32:
             raise ValueError(f"key {key[:120]!r}: bad chunk size segment {chunk!r}: need 1 <= C < 2**32")
-        return cls(bytes.fromhex(fp), dtype, c, (a, b), rank, size, fidelity), bytes.fromhex(h)
+        return (cls(bytes.fromhex(fp), dtype, c, (a, b), rank, size, fidelity,
+                    None if ident is None else bytes.fromhex(ident[1:])), bytes.fromhex(h))
 
 
 _EXPECT = {
@@ -157,6 +203,7 @@ _EXPECT = {
     "layers": "l<start>-<stop>, decimals without leading zeros",
     "chunk size": "c<C>, a decimal without leading zeros",
     "hash": f"{2 * HASH_SIZE} lower-case hex digits",
+    "identity": f"i and {2 * DIGEST_SIZE} lower-case hex digits, KVW-IDENT-5",
 }
 
 
@@ -178,7 +225,8 @@ def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
     """How an object's header disagrees with its key, as far as key and header alone
     decide (KVW-STORE-17): fingerprint, dtype, chunk size, number of layers, token count
     in 1..C, first position a multiple of C, a scheme-1 prefix chain whose hashes are the
-    key's hash. Empty when the header agrees. (Whether ``first_position`` is the right
+    key's hash, and the request identity entry (KVW-IDENT-6: the key's digest, absent on a key
+    without one). Empty when the header agrees. (Whether ``first_position`` is the right
     multiple, and whether the architecture matches the neighbouring chunks, needs the
     request's tokens and is the loader's check.)"""
     C, out = space.chunk_tokens, []
@@ -209,6 +257,10 @@ def header_mismatches(header, space: KeySpace, chunk_hash: bytes) -> list[str]:
             out.append(f"prefix chain scheme {p.scheme} != {PREFIX_SCHEME}")
         if p.hashes != bytes(chunk_hash):
             out.append(f"prefix chain hashes {p.hashes.hex()[:80] or '(none)'} != key's hash {bytes(chunk_hash).hex()}")
+    got = header.metadata.get(METADATA_KEY)
+    if got != space.identity_digest:
+        out.append(f"request identity {got.hex() if got is not None else '(none)'} != key's "
+                   f"{space.identity_digest.hex() if space.identity_digest is not None else '(none)'} (KVW-IDENT-6)")
     return out
 
 

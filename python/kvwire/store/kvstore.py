@@ -54,6 +54,7 @@ from ..format.header import TokenRange
 from ..format.prefix import PREFIX_SCHEME, prefix_root
 from ..model.compat import LocalModel, check_compatible
 from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
+from .identity import with_identity
 from .keys import KeySpace, codec_fidelity, header_mismatches, held_layers, range_map
 from .auth import Keyring
 from .tagged import TagChecks, read_heads
@@ -115,7 +116,7 @@ class KVStore(TagChecks):
 
     # -- writing -------------------------------------------------------------------------
     def put_cache(self, cache, tokens, *, codec="raw", tp_rank: int = 0, tp_size: int = 1,
-                  partial: bool = False, layers: tuple[int, int] | None = None) -> PutResult:
+                  partial: bool = False, layers: tuple[int, int] | None = None, identity=None) -> PutResult:
         """Store the whole chunks of ``cache`` (and its trailing partial chunk when
         ``partial``); chunks whose object exists are not encoded or written again.
 
@@ -125,14 +126,15 @@ class KVStore(TagChecks):
         A cache may start at a chunk boundary ``first_position = f * chunk_tokens`` (an
         engine that saves the chunks a prefill step completed): ``tokens`` are then every
         token from position 0 to its end, since a chunk's key binds all tokens before it,
-        and chunks ``f, f + 1, ...`` are stored.
-        """
+        and chunks ``f, f + 1, ...`` are stored. ``identity``: the request's ``RequestIdentity``
+        (KVW-IDENT-4), None: none."""
         t0 = time.perf_counter()
         space, toks, sub = self._check_cache(cache, tokens, codec, tp_rank, tp_size, layers)
         h, C = sub.header, space.chunk_tokens
         F = h.first_position // C  # the cache's first chunk
         hashes = space.hashes(toks, partial=partial)
-        keys = [space.key(x) for x in hashes[F:]]
+        spaces = space.chunk_spaces(len(hashes), identity)  # KVW-IDENT-4: one digest per chunk
+        keys = [sp.key(x) for sp, x in zip(spaces[F:], hashes[F:])]
         there = [True] * F + self.present(keys)  # with auth: an untagged object is written again
         keys = [None] * F + keys
         out = PutResult(keys=keys[F:], skipped=sum(map(bool, there[F:])))
@@ -144,7 +146,8 @@ class KVStore(TagChecks):
             if present:
                 continue
             a, b = k * C, min((k + 1) * C, h.first_position + h.token_count)
-            obj = KVCache(h.replace(token_count=b - a, first_position=a,
+            md = with_identity(h.metadata, spaces[k].identity_digest)  # KVW-IDENT-5
+            obj = KVCache(h.replace(token_count=b - a, first_position=a, metadata=md,
                                     prefix=PrefixChain(PREFIX_SCHEME, root if k == 0 else hashes[k - 1], hashes[k])),
                           [{c: x[:, a - h.first_position:b - h.first_position, :] for c, x in layer.items()}
                            for layer in sub.layers])
@@ -216,25 +219,27 @@ class KVStore(TagChecks):
         self.counts["queries"] += 1
         return self.store.leading(list(keys))
 
-    def lookup(self, tokens, space: KeySpace, *, local=None, partial: bool = False) -> Lookup:
+    def lookup(self, tokens, space: KeySpace, *, local=None, partial: bool = False, identity=None) -> Lookup:
         """How much of ``tokens`` the store serves, for a scheduler deciding a cache hit:
         the hit query over the prompt's chunk keys (one round trip, no object bytes), then,
         when there is a hit, the first hit's header alone (one ranged get of HEAD_BYTES),
         checked against its key (KVW-STORE-17) and, with ``local`` (a ``kvwire.LocalModel``),
         for compatibility (``kvwire.check_compatible``: a foreign model never matches). A
-        first object that fails is a miss (deleted when it is corrupt or not the key's)."""
+        first object that fails is a miss (deleted when it is corrupt or not the key's);
+        ``identity`` as in ``put_cache``."""
         if not isinstance(space, KeySpace):
             raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
         if local is not None and not isinstance(local, LocalModel):
             raise TypeError(f"local must be None or a kvwire.LocalModel, not {type(local).__name__}")
         trips0, hashes = self.store.stats.round_trips, space.hashes(tokens, partial=partial)
-        keys = [space.key(x) for x in hashes]
+        spaces = space.chunk_spaces(len(hashes), identity)
+        keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
         n = self.leading_hits(keys)
         if not n:
             return Lookup(0, 0, round_trips=self.store.stats.round_trips - trips0)
         (head,), (tag,) = read_heads(self.store, keys[:1], self.auth, HEAD_BYTES)  # one batch
         read = [sum(len(x) for x in (head, tag) if x is not None)]
-        got = None if head is None else self.check_head(keys[0], head, 0, hashes[0], space, [], read)
+        got = None if head is None else self.check_head(keys[0], head, 0, hashes[0], spaces[0], [], read)
         if got is not None and self.auth is not None and self.verify_head(got, tag) is None:
             got = None  # KVW-AUTH-7
         trips = self.store.stats.round_trips - trips0
@@ -248,9 +253,9 @@ class KVStore(TagChecks):
         return Lookup(n, min(n * C, T), header, verdict, read[0], trips)
 
     # -- reading -------------------------------------------------------------------------
-    def get_cache(self, tokens, space: KeySpace, n_chunks: int | None = None) -> LoadResult:
-        """The leading stored chunks of ``tokens`` (at most ``n_chunks``) as one KVCache of
-        the space's layers."""
+    def get_cache(self, tokens, space: KeySpace, n_chunks: int | None = None, *, identity=None) -> LoadResult:
+        """The leading stored chunks of ``tokens`` (at most ``n_chunks``) of a request of
+        ``identity`` (as in ``put_cache``) as one KVCache of the space's layers."""
         t0 = time.perf_counter()
         if not isinstance(space, KeySpace):
             raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
@@ -260,13 +265,14 @@ class KVStore(TagChecks):
         if n_chunks is not None and toks.ndim == 1:
             toks = toks[:n_chunks * space.chunk_tokens]  # the chain is sequential: later tokens change nothing
         hashes = space.hashes(toks, partial=True)
-        keys = [space.key(x) for x in hashes]
+        spaces = space.chunk_spaces(len(hashes), identity)
+        keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
         heads, tags = read_heads(self.store, keys, self.auth, HEAD_BYTES)  # with auth: the tags in the batch
         read = [sum(len(x) for x in heads + tags if x is not None)]  # object bytes this call read
         checked: list = []  # (key, header, first bytes) of the leading objects whose header passed
         verified: list = []  # their tags (KVW-AUTH-6), with auth
         for k, (key, head) in enumerate(zip(keys, heads)):
-            got = None if head is None else self.check_head(key, head, k, hashes[k], space, checked, read)
+            got = None if head is None else self.check_head(key, head, k, hashes[k], spaces[k], checked, read)
             tag = None if got is None or self.auth is None else self.verify_head(got, tags[k])
             if got is None or (self.auth is not None and tag is None):
                 break
@@ -349,7 +355,8 @@ class KVStore(TagChecks):
         served = sum(h.token_count for _, h, _ in checked[:hits])
         if served < total:  # the leading tokens only: views, no second copy
             outs = [{c: x[:, :served, :] for c, x in layer.items()} for layer in outs]
-        header = first.replace(token_count=served, first_position=0, prefix=PrefixChain(
+        header = first.replace(token_count=served, first_position=0, metadata=with_identity(first.metadata, None),
+                               prefix=PrefixChain(
             PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(hashes[:hits])))
         return KVCache(header, outs), hits, served
 
