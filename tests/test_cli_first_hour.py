@@ -58,7 +58,7 @@ def test_version_names_package_and_format_versions():
     proc = _kvwire("--version", text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"kvwire {kvwire.__version__}\n")
-    assert "container format 1.0-1.3" in proc.stdout and "store keys kvw1" in proc.stdout
+    assert "container format 1.0-1.4" in proc.stdout and "store keys kvw1" in proc.stdout
 
 
 # -- validate: several files, stdin, --json ------------------------------------------------

@@ -362,4 +362,4 @@ def test_kvscale_is_public_and_conformance_info_reports_1_1():
     assert kvwire.Header(kvwire.Architecture((FULL,)), token_count=0, dtype="f8_e5m2", chunk_tokens=4,
                          kv_scales=[kvwire.KVScale(0.5, 2.0)]).kv_scales == (KVScale(0.5, 2.0),)
     info = json.loads(json.dumps(impl.info()))
-    assert info["protocol"] == 1 and info["format_versions"] == ["1.0", "1.1", "1.2", "1.3"]  # 1.2: rotation, 1.3: turboquant
+    assert info["protocol"] == 1 and info["format_versions"] == ["1.0", "1.1", "1.2", "1.3", "1.4"]  # 1.2: rotation, 1.3: turboquant, 1.4: zstd checksums

@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared depende
 
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0  # what a writer writes for a container that uses no feature added after 1.0 (KVW-EVOL-12)
-FORMAT_MINOR_IMPLEMENTED = 3  # the newest revision this codec implements: 1.3 (feature turboquant)
+FORMAT_MINOR_IMPLEMENTED = 4  # the newest revision this codec implements: 1.4 (checksummed zstd frames, KVW-CODEC-4/5)
 
 # DType registry: name -> (code, itemsize, numpy dtype)
 DTYPES: dict[str, tuple[int, int, np.dtype]] = {
