@@ -56,6 +56,7 @@ from ..adapters.hf_model import arch_from_config
 from ..model.compat import LocalModel, check_compatible
 from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, open_store
+from ..store.auth import Keyring, check_url
 from .vllm_engine import engine_layout_of, kv_packing, layer_scales_of, model_config_json, platform_fp8
 from .vllm_pipeline import LayerPipeline, same_scales
 from .vllm_plan import (
@@ -105,7 +106,8 @@ class KVWireConnector(KVConnectorBase_V1):
                                tp_size=pc.tensor_parallel_size, config=model_config_json(mc.model),
                                fingerprint=extra.get("model_fingerprint"))
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
-        self.kv = KVStore(open_store(url, **options))
+        check_url(url)  # KVW-AUTH-2: keys never come from a URL; auth_key_file or the environment
+        self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
         self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,
                            saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0)
         # scheduler side
