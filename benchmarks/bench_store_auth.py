@@ -1,0 +1,71 @@
+"""Cost of authenticated store objects (spec/store.md section 11, KVW-AUTH-*): put and load
+throughput of one cache with and without a keyring, same cache, same store kind, same run.
+
+Why: a keyed writer hashes every stored byte with SHA-256 (the tag's body digests) and a keyed
+reader hashes every byte again before decoding it; this measures what that costs against the
+unkeyed path. Each store lives in a directory this script creates (and removes) itself.
+
+    python benchmarks/bench_store_auth.py [--tokens 2048 --layers 32 ...] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cache_shape_args, cpu_model  # noqa: E402
+
+import kvwire  # noqa: E402
+from kvwire.format.header import ModelIdentity  # noqa: E402
+from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore  # noqa: E402
+from kvwire.store.auth import Keyring  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cache_shape_args(ap)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    shape = (a.heads, a.tokens, a.head_dim)
+    ks = [rng.standard_normal(shape, np.float32).astype(np.float16) for _ in range(a.layers)]
+    vs = [rng.standard_normal(shape, np.float32).astype(np.float16) for _ in range(a.layers)]
+    cache = kvwire.KVCache.from_tensors(ks, vs, model=ModelIdentity(compat_fingerprint=b"\1" * 32),
+                                        chunk_tokens=a.chunk_tokens)
+    tokens, space, ring = np.arange(a.tokens), KeySpace.of(cache.header), Keyring([("bench", os.urandom(32))])
+    print(f"# {cpu_model()}; {cache.nbytes / 2**20:.0f} MiB f16 cache, {a.tokens // a.chunk_tokens} chunks, raw codec")
+    print("| store | auth | put GB/s | load GB/s |\n|---|---|---|---|")
+    root = tempfile.mkdtemp(prefix="kvwire-bench-auth-")
+    try:
+        for kind in ("memory", "file"):
+            rows = {}
+            for auth in (None, ring):
+                puts, gets = [], []
+                for r in range(a.repeat):
+                    store = MemoryStore() if kind == "memory" else LocalStore(os.path.join(root, f"{auth is None}{r}"))
+                    kv = KVStore(store, auth=auth)
+                    t = time.perf_counter()
+                    kv.put_cache(cache, tokens)
+                    puts.append(cache.nbytes / (time.perf_counter() - t) / 1e9)
+                    t = time.perf_counter()
+                    got = kv.get_cache(tokens, space)
+                    gets.append(cache.nbytes / (time.perf_counter() - t) / 1e9)
+                    assert got.tokens == a.tokens
+                rows[auth is not None] = (max(puts), max(gets))
+                print(f"| {kind} | {'keyed' if auth else 'none'} | {max(puts):.2f} | {max(gets):.2f} |")
+            (p0, g0), (p1, g1) = rows[False], rows[True]
+            print(f"| {kind} | ratio keyed/none | {p1 / p0:.2f} | {g1 / g0:.2f} |")
+    finally:
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
