@@ -395,11 +395,15 @@ class LocalStore(Store):
         with self._dirs() as dirs:
             if total > target:
                 self.require_marker(dirs, "evict")
+            sizes = {key: size for key, size, _ in objects}
             for key, size, _ in objects:
                 if total <= target:
                     break
-                removed += self._unlink_object(dirs, key)
-                total -= size
+                if key in sizes and self._unlink_object(dirs, key):
+                    removed += 1
+                    if key + ".tag" in sizes and self._unlink_object(dirs, key + ".tag"):  # KVW-AUTH-3
+                        total -= sizes.pop(key + ".tag")
+                total -= sizes.pop(key, 0)
         self._estimate = total
         self.count(evictions=removed)
         return removed

@@ -13,7 +13,8 @@ that decides *which* files kvwire may touch lives here, small enough to read at 
   with ``O_NOFOLLOW`` relative to its parent's descriptor, so a symbolic link planted
   inside the store never leads a get, put, delete, eviction or gc outside it;
 - what counts as a **kvwire object** (a regular file at a valid key path that starts with
-  the container magic) and as one of **our temporaries** (``.tmp-<pid>-<hex>``).
+  the container magic, or the tag magic of an object's ``K.tag``, KVW-AUTH-3) and as one
+  of **our temporaries** (``.tmp-<pid>-<hex>``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import secrets
 import stat
 
 from ..format.container import MAGIC
+from .auth import TAG_MAGIC
 from .base import KEY_RE, SEGMENT, StoreError
 
 MARKER = ".kvwire-store"
@@ -262,8 +264,9 @@ def split_key(key: str) -> tuple[str, str]:
 
 
 def probe_object(dir_fd: int, name: str):
-    """``(stat, is_container)`` of the file ``name`` (not following a link), or None when
-    it is missing or not a regular file. Reading the magic does not move the LRU clock:
+    """``(stat, is_kvwire_object)`` of the file ``name`` (not following a link), or None
+    when it is missing or not a regular file; a kvwire object starts with the container
+    magic or the tag magic (KVW-STORE-34). Reading the magic does not move the LRU clock:
     ``O_NOATIME`` where allowed, else the access time is put back."""
     fd = None
     for flags in ((PROBE_FLAGS | NOATIME, PROBE_FLAGS) if NOATIME else (PROBE_FLAGS,)):
@@ -288,7 +291,7 @@ def probe_object(dir_fd: int, name: str):
                 os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
             except OSError:
                 pass
-        return st, head == MAGIC
+        return st, head in (MAGIC, TAG_MAGIC)
     finally:
         os.close(fd)
 
