@@ -76,12 +76,14 @@ def redis_module():
     return redis
 
 
-def ping(port: int, timeout: float = 0.5) -> bool:
-    """Whether a server answers PING with PONG (not -LOADING while it replays its AOF)."""
+def ping(port: int, timeout: float = 0.5, tls: Certs | None = None) -> bool:
+    """Whether a server answers PING with PONG or NOAUTH (not -LOADING while it replays its AOF);
+    over TLS with ``tls``'s CA and client certificate (redisfakes.Certs)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+            s = tls.client_context().wrap_socket(raw, server_hostname="127.0.0.1") if tls else raw
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # NOAUTH: up, with requirepass
     except OSError:
         return False
 
@@ -100,8 +102,11 @@ class RedisServer:
     """One ``redis-server`` process on 127.0.0.1 with its files under ``dirpath``."""
 
     def __init__(self, dirpath, *, appendonly: bool = False, maxmemory=None, policy=None, cluster: bool = False,
-                 extra=(), port: int | None = None):
+                 extra=(), port: int | None = None, tls: Certs | None = None, client_certs: bool = False):
+        """``tls``: serve TLS only (``--port 0 --tls-port``) with these certificates;
+        ``client_certs``: and require a client certificate (``--tls-auth-clients yes``)."""
         self.dir = os.path.abspath(os.fspath(dirpath))
+        self.tls, self.client_certs = tls, client_certs
         self.appendonly, self.maxmemory, self.policy = appendonly, maxmemory, policy
         self.cluster, self.extra = cluster, tuple(extra)
         self._port = port
@@ -116,6 +121,8 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ca={self.tls.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -125,6 +132,12 @@ class RedisServer:
     def argv(self) -> list:
         a = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
              "--protected-mode", "no", "--daemonize", "no", "--logfile", self.log]
+        if self.tls is not None:
+            a[1:3] = ["--port", "0", "--tls-port", str(self.port)]
+            a += ["--tls-cert-file", self.tls.server_cert, "--tls-key-file", self.tls.server_key,
+                  "--tls-ca-cert-file", self.tls.ca, "--tls-auth-clients", "yes" if self.client_certs else "no"]
+            if self.cluster:
+                a += ["--tls-cluster", "yes"]
         if self.appendonly:
             a += ["--appendonly", "yes", "--appendfsync", "always"]
         if self.maxmemory is not None:
@@ -176,7 +189,7 @@ class RedisServer:
                 with _live_lock:
                     _live.discard(self)
                 return "exited"
-            if ping(self._port):
+            if ping(self._port, tls=self.tls):
                 return "ok"
             time.sleep(0.02)
         return f"no PONG within {START_TIMEOUT:.0f} s"
@@ -235,6 +248,8 @@ class RedisServer:
     def client(self, **kw):
         """A raw redis-py client for test setup and inspection (not the code under test)."""
         kw.setdefault("socket_timeout", 10)
+        if self.tls is not None:
+            kw = {**self.tls.redis_py(), **kw}
         return redis_module().Redis(host="127.0.0.1", port=self.port, **kw)
 
     def __enter__(self):
@@ -247,13 +262,16 @@ class RedisServer:
 class RedisCluster:
     """``masters`` cluster-enabled servers, every slot assigned, each node agreeing."""
 
-    def __init__(self, dirpath, masters: int = 3):
+    def __init__(self, dirpath, masters: int = 3, *, tls: Certs | None = None):
         self.dir = os.path.abspath(os.fspath(dirpath))
-        self.nodes = [RedisServer(os.path.join(self.dir, f"node{i}"), cluster=True) for i in range(masters)]
+        self.tls = tls
+        self.nodes = [RedisServer(os.path.join(self.dir, f"node{i}"), cluster=True, tls=tls) for i in range(masters)]
         self.ranges: list[tuple[int, int]] = []  # [first, last] slots of each node
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return "rediss-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes) + f"?ca={self.tls.ca}"
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self) -> RedisCluster:

@@ -199,9 +199,9 @@ class RedisClusterStore(RedisStore):
             self.count(round_trips=1)
             if isinstance(got, Exception):  # slots moved under us: the per-key path follows MOVED
                 return Store.leading(self, keys)
-            if not isinstance(got, int):
-                raise StoreError(f"{self.url}: {addr} answered the hit query with a {type(got).__name__}: is it a "
-                                 "Redis server?")
+            if not isinstance(got, int) or not 0 <= got <= len(idx):
+                raise StoreError(f"{self.url}: {addr} answered the hit query with {got!r} for {len(idx)} keys: "
+                                 "is it a Redis server?")
             if int(got) < len(idx):
                 first_miss = min(first_miss, idx[int(got)])
         return first_miss

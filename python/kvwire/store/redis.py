@@ -262,7 +262,10 @@ class RedisStore(Store):
             return 0
         reply = self.node.execute([["EVAL", LEADING_SCRIPT, len(keys), *keys]])[0]
         self.count(round_trips=1)
-        return int(self.raise_error(reply, keys[0], int))
+        n = self.raise_error(reply, keys[0], int)
+        if not 0 <= n <= len(keys):
+            raise StoreError(f"{self.url}: the hit query answered {n} for {len(keys)} keys: is this a Redis server?")
+        return n
 
     def sizes(self, keys) -> list:
         keys = check_keys(keys)

@@ -79,7 +79,9 @@ def describe_failure(exc, *, tls: bool, password: bool) -> str:
             return f"the server has no such database ({text}); the URL's path is the database number"
         return f"the server refused the connection's setup: {text}"
     if isinstance(exc, (redis.TimeoutError, TimeoutError)):
-        return f"no answer within the timeout ({text})"
+        hint = " (no answer to the TLS handshake: is this a plaintext port? use redis://)" if tls and \
+            "connecting" in text else ""
+        return f"no answer within the timeout ({text}){hint}"
     if isinstance(exc, redis.InvalidResponse) or isinstance(exc, (ValueError, TypeError, IndexError)):
         return f"the reply is not Redis protocol ({text[:200]}): is this a Redis server?"
     closed = any(isinstance(c, (ConnectionResetError, BrokenPipeError)) for c in chain) or "closed" in text
