@@ -45,9 +45,10 @@ VECTORS = ROOT / "conformance" / "vectors"
 # fb7225bf... (+ kv_scales: revision 1.1, per-layer fp8 scales, spec section 5.10; format 1.1 containers),
 # 5645761f... (+ rotation: revision 1.2, spec/codecs.md section 8; format 1.2 containers),
 # c03d5d46... (+ rotation_kchan: the presets kchan4-vlloyd4 and kchan3-vlloyd2),
-# 8a718fe6... (+ turboquant: revision 1.3, spec/codecs.md section 9; format 1.3 containers).
+# 8a718fe6... (+ turboquant: revision 1.3, spec/codecs.md section 9; format 1.3 containers),
+# 6860fa62... (+ zstd_checksums: revision 1.4, zstd content checksums, KVW-CODEC-4/5; minor-4 containers).
 PINNED_MANIFESTS = {
-    "1.0": "8a718fe69372f938b83849444a9f45b439a59f3a9d109a45ff4df628b86589c8",
+    "1.0": "6860fa6296af341be334aa6d1a1e70fbcdf4988897dcf70129667495e6d751c8",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {
