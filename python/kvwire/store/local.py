@@ -4,20 +4,14 @@ Why files: nothing needs a server to try kvwire, several processes on one machin
 the directory, and the kernel's page cache does the caching. The rules it keeps
 (spec/store.md section 3, KVW-STORE-7..10 and 28..35):
 
-- *The store owns only its objects.* A store directory carries the marker
-  ``.kvwire-store`` that kvwire writes when it creates the store (an empty or missing
-  directory) or when an operator adopts one (``kvwire store init``); a non-empty directory
-  without it is refused, and nothing is ever deleted where it is missing. Eviction and
-  ``gc`` consider only kvwire objects: regular files at valid key paths that start with the
-  container magic (checked again right before each unlink), and only this store's own
-  temporaries (``.tmp-<pid>-<hex>``). ``local_fs`` holds those rules.
-- *No escape from the root.* The root is resolved once (``realpath``) when the store is
-  opened; below it every directory is opened segment by segment with ``O_NOFOLLOW``
-  relative to its parent, and files are opened, linked, stat-ed and unlinked relative to
-  their directory's descriptor, so a symbolic link inside the store leads nowhere.
-- *Private by default.* Directories kvwire makes are 0700 and objects 0600 (set with
-  ``fchmod``, whatever the umask), and a store owned by another user or writable by others
-  is refused, unless the URL says ``?shared=group`` (0770 + setgid, 0640).
+- *The store owns only its objects* (``local_fs`` holds these rules): a directory is a
+  store when it has the marker ``.kvwire-store`` that kvwire wrote (or ``kvwire store
+  init`` after checking); nothing is deleted elsewhere, and eviction and ``gc`` touch only
+  kvwire objects (magic checked right before each unlink) and our own temporaries.
+- *No escape from the root:* resolved once (``realpath``), then every directory is opened
+  segment by segment with ``O_NOFOLLOW`` and every file relative to its directory's fd.
+- *Private by default:* directories 0700, objects 0600 (``fchmod``, whatever the umask);
+  another user's or a writable store is refused unless the URL says ``?shared=group``.
 - *Atomic, no-overwrite publish.* An object is written to an unnamed ``O_TMPFILE`` in its
   directory (or, where that is refused, a dot-named temporary file) and then *linked* to
   its name. ``link`` fails when the name exists, so a concurrent writer of the same key
@@ -70,7 +64,7 @@ class LocalStore(Store):
         self.max_bytes, self.rescan_puts, self.fsync = max_bytes, max(1, int(rescan_puts)), fsync
         self._estimate: int | None = None
         self._puts_since_scan = 0
-        self._containers: set = set()  # (inode, mtime, size) of files seen to start with the magic
+        self._probe = fs.ObjectProbe()  # remembers the files seen to be kvwire objects (immutable)
         fs.open_root(self.root, self.shared, create, self.url)
         self.use_tmpfile = self._can_link_unnamed()
 
@@ -78,10 +72,7 @@ class LocalStore(Store):
         return fs.Dirs(self.root)
 
     def require_marker(self, dirs: fs.Dirs, what: str) -> None:
-        """KVW-STORE-28: nothing is deleted from a directory that is not (any more) a store."""
-        if fs.read_marker(dirs.root_fd, self.url) is None:
-            raise StoreError(f"{self.url}: refusing to {what}: the directory has no {MARKER} marker, so it is not "
-                             f"a kvwire store (KVW-STORE-28); to adopt it: kvwire store init --url {self.url}")
+        fs.require_marker(dirs.root_fd, self.url, what)
 
     def _can_link_unnamed(self) -> bool:
         """Whether this file system links an O_TMPFILE file to a name (some refuse: EXDEV,
@@ -208,49 +199,13 @@ class LocalStore(Store):
         return sorted(k for k, _, _ in self._files() if k.startswith(prefix))
 
     def info(self) -> dict:
-        """Objects and bytes of the store (one walk), the kvwire containers among them (what
+        """Objects and bytes of the store (one walk), the kvwire objects among them (what
         the cap counts and eviction may remove), its cap, and this store's temporaries: all
         of them and those older than an hour that ``gc`` removes."""
-        objects = total = containers = container_bytes = temps = stale = 0
-        now = time.time()
         with self._dirs() as dirs:
-            for rel, dfd, _, files in fs.walk(dirs.root_fd):
-                for name in files:
-                    if fs.TEMP_RE.fullmatch(name):
-                        st = self._lstat_at(dfd, name)
-                        if st is not None and stat.S_ISREG(st.st_mode):
-                            temps += 1
-                            stale += now - st.st_mtime > STALE_TEMP_SECONDS
-                    elif fs.key_of(rel, name) is not None and (got := self._probe(dfd, name)) is not None:
-                        objects += 1
-                        total += got[0].st_size
-                        containers += got[1]
-                        container_bytes += got[0].st_size if got[1] else 0
+            counts = fs.scan_counts(dirs.root_fd, self._probe)
         return {"url": self.url, "backend": type(self).__name__, "root": self.root, "shared": self.shared,
-                "objects": objects, "bytes": total, "kvwire_objects": containers, "kvwire_bytes": container_bytes,
-                "max_bytes": self.max_bytes, "temporaries": temps, "stale_temporaries": stale}
-
-    @staticmethod
-    def _lstat_at(dfd: int, name: str):
-        try:
-            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-
-    def _probe(self, dfd: int, name: str):
-        """(stat, starts with the magic) of a regular file; a file seen before is not read
-        again (objects are immutable)."""
-        st = self._lstat_at(dfd, name)
-        if st is None or not stat.S_ISREG(st.st_mode):
-            return None
-        if (st.st_ino, st.st_mtime_ns, st.st_size) in self._containers:
-            return st, True
-        got = fs.probe_object(dfd, name)
-        if got is not None and got[1]:
-            if len(self._containers) > 1 << 20:
-                self._containers.clear()
-            self._containers.add((got[0].st_ino, got[0].st_mtime_ns, got[0].st_size))
-        return got
+                **counts, "max_bytes": self.max_bytes}
 
     def _files(self, containers_only: bool = False):
         """(key, size, atime_ns) of every regular file at a valid key path (with
@@ -266,7 +221,7 @@ class LocalStore(Store):
                         if got is not None and got[1]:
                             yield key, got[0].st_size, got[0].st_atime_ns
                         continue
-                    st = self._lstat_at(dfd, name)
+                    st = fs.lstat_at(dfd, name)
                     if st is not None and stat.S_ISREG(st.st_mode):
                         yield key, st.st_size, st.st_atime_ns
 
@@ -431,7 +386,7 @@ class LocalStore(Store):
                 for name in files:
                     if not fs.TEMP_RE.fullmatch(name):
                         continue
-                    st = self._lstat_at(dfd, name)
+                    st = fs.lstat_at(dfd, name)
                     if st is not None and stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TEMP_SECONDS:
                         try:
                             os.unlink(name, dir_fd=dfd)
@@ -439,9 +394,6 @@ class LocalStore(Store):
                         except FileNotFoundError:
                             pass
         return removed
-
-    def close(self) -> None:
-        pass
 
 
 __all__ = ["LocalStore", "MARKER"]

@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import stat
+import time
 
 from ..format.container import MAGIC
 from .auth import TAG_MAGIC
@@ -251,11 +252,25 @@ def open_root(root: str, shared: str, create: bool, where: str) -> None:
             except OSError as exc:
                 raise StoreError(f"{where}: cannot write the store marker: {exc}") from exc
             return
-        check_owner(st, shared, where)
         if found != shared:
             raise StoreError(f"{where}: this store was created with shared={found}, not shared={shared} "
                              f"(KVW-STORE-33); open it as file://{root}" + ("" if found == "private" else
                                                                            f"?shared={found}"))
+        check_owner(st, shared, where)
+
+
+def require_marker(root_fd: int, where: str, what: str) -> None:
+    """KVW-STORE-28: nothing is deleted from a directory that is not (any more) a store."""
+    if read_marker(root_fd, where) is None:
+        raise StoreError(f"{where}: refusing to {what}: the directory has no {MARKER} marker, so it is not a "
+                         f"kvwire store (KVW-STORE-28); to adopt it: kvwire store init --url {where}")
+
+
+def lstat_at(dfd: int, name: str):
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -296,14 +311,64 @@ def probe_object(dir_fd: int, name: str):
         os.close(fd)
 
 
+class ObjectProbe:
+    """``probe_object`` that remembers the files it found to be kvwire objects by (inode,
+    mtime, size): objects are immutable, so an eviction scan reads each magic once. A
+    remembered file is checked again before it is unlinked (``probe_object``)."""
+
+    def __init__(self, limit: int = 1 << 20):
+        self.seen: set = set()
+        self.limit = limit
+
+    def __call__(self, dfd: int, name: str):
+        st = lstat_at(dfd, name)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return None
+        if (st.st_ino, st.st_mtime_ns, st.st_size) in self.seen:
+            return st, True
+        got = probe_object(dfd, name)
+        if got is not None and got[1]:
+            if len(self.seen) > self.limit:
+                self.seen.clear()
+            self.seen.add((got[0].st_ino, got[0].st_mtime_ns, got[0].st_size))
+        return got
+
+
+def scan_counts(root_fd: int, probe) -> dict:
+    """objects / bytes (regular files at key paths), kvwire_objects / kvwire_bytes (KVW-STORE-34)
+    and temporaries / stale_temporaries (KVW-STORE-7) of one walk."""
+    c = dict.fromkeys(("objects", "bytes", "kvwire_objects", "kvwire_bytes", "temporaries", "stale_temporaries"), 0)
+    now = time.time()
+    for rel, dfd, _, files in walk(root_fd):
+        for name in files:
+            if TEMP_RE.fullmatch(name):
+                st = lstat_at(dfd, name)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    c["temporaries"] += 1
+                    c["stale_temporaries"] += now - st.st_mtime > STALE_TEMP_SECONDS
+            elif key_of(rel, name) is not None and (got := probe(dfd, name)) is not None:
+                c["objects"] += 1
+                c["bytes"] += got[0].st_size
+                c["kvwire_objects"] += got[1]
+                c["kvwire_bytes"] += got[0].st_size if got[1] else 0
+    return c
+
+
 def walk(root_fd: int):
     """``(dir, dir_fd, dirnames, filenames)`` of every directory at a valid key-prefix path
     under the root, not following links (``os.fwalk``); dot names and names no key has are
     pruned. ``dir`` is "" for the root, else the key prefix without a trailing "/"."""
     for dirpath, dirs, files, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
         rel = "" if dirpath == "." else dirpath[2:]
-        dirs[:] = [d for d in dirs if SEGMENT_RE.fullmatch(d)]
+        dirs[:] = [d for d in dirs if SEGMENT_RE.fullmatch(d) and is_real_dir(d, dfd)]  # fwalk lists links too
         yield rel, dfd, dirs, files
+
+
+def is_real_dir(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def key_of(rel: str, name: str) -> str | None:
@@ -311,5 +376,5 @@ def key_of(rel: str, name: str) -> str | None:
     return key if KEY_RE.fullmatch(key) and len(key) <= 1024 else None
 
 
-__all__ = ["Dirs", "MARKER", "SHARED", "STALE_TEMP_SECONDS", "TEMP_PREFIX", "TEMP_RE", "check_owner", "check_root_path",
-           "check_shared", "key_of", "make_dirs", "open_root", "probe_object", "read_marker", "split_key", "walk", "write_marker"]
+__all__ = ["Dirs", "MARKER", "ObjectProbe", "scan_counts", "SHARED", "STALE_TEMP_SECONDS", "TEMP_PREFIX", "TEMP_RE", "check_owner", "check_root_path",
+           "check_shared", "key_of", "lstat_at", "make_dirs", "open_root", "require_marker", "probe_object", "read_marker", "split_key", "walk", "write_marker"]

@@ -39,10 +39,8 @@ here), redis://HOST:PORT/DB. No command but init ever creates a file:// store.
            also checks every checksum (exit 1 when the object is bad, 2 when missing)
   gc       remove stale temporaries, and with --fingerprint / --max-bytes / --verify a
            model's objects, the least recently used ones, or the bad ones (--all: every
-           object); --dry-run only says what it would remove. Only kvwire objects are
-           ever removed, and on file:// only in a directory with the store marker
-  init     make a directory a file:// store (create it, or adopt one that holds only
-           kvwire objects; refused naming the first other file)
+           one); --dry-run only says what it would remove. Only kvwire objects go
+  init     create a file:// store, or adopt a directory that holds only kvwire objects
 
 Reading a header is a get: on file:// it counts as a use for the LRU clock."""
 
@@ -319,9 +317,7 @@ def _print_inspect(store, d, bad) -> None:
 # -- init -------------------------------------------------------------------------------------
 def cmd_init(args) -> int:
     if not args.url.lower().startswith("file://"):
-        print(f"kvwire store init: error: init makes a file:// store; {args.url.split('://')[0]}:// stores need none",
-              file=sys.stderr)
-        return EXIT_USAGE
+        raise StoreError(f"init makes a file:// store; {args.url.split('://')[0]}:// stores need none")
     path, query = file_url(args.url)
     done = init_store(path, **query)
     print(f"{done['url']}: " + ("created a store" if done["created"] else
