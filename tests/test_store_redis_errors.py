@@ -14,10 +14,14 @@ import sys
 import time
 import traceback
 
+from urllib.parse import quote
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.store import StoreError, open_store
-from kvwire.store.redis_url import redact_url
+from kvwire.store.redis_url import parse_redis_url, redact_url
 from kvwire.tools.cli import main
 from redisfakes import FakeServer
 from redisfix import RedisServer, SilentServer
@@ -112,6 +116,41 @@ def test_store39_redact_url():
     assert redact_url("redis://secret@h") == "redis://***@h"
     assert redact_url("redis://u:se@c/ret@h/0") == "redis://u:***@h/0"
     assert redact_url("file:///tmp/x") == "file:///tmp/x" and redact_url("memory://") == "memory://"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(min_size=1, max_size=40).filter(lambda t: "***" not in t), st.sampled_from(["", "u", "kv-user"]),
+       st.sampled_from(["redis", "rediss", "redis-cluster", "rediss-cluster"]))
+def test_store39_any_password_round_trips_and_never_shows(password, user, scheme):
+    """KVW-STORE-38/39 property: any password, percent-encoded in the URL, is parsed back
+    exactly, and the store's url, the parsed URL's repr and redact_url are exactly the URL
+    with ``:***`` in its place."""
+    url = f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:6390"
+    url += "?timeout=1" if scheme.endswith("cluster") else "/3?timeout=1"
+    parsed = parse_redis_url(url, {})
+    assert parsed.password == password and parsed.username == (user or None)
+    expected = f"{scheme}://{user}:***@127.0.0.1:6390" + ("" if scheme.endswith("cluster") else "/3")
+    # what is shown is exactly this, whatever the password: it cannot hold any part of it
+    assert parsed.url == expected and repr(parsed) == f"RedisURL({expected!r})"
+    assert redact_url(url) == expected + "?timeout=1"
+
+
+URL_TEXT = st.text(alphabet=st.sampled_from(list("ab1:@/?#&=,.%_-[] \u00e9")), max_size=30)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(["redis", "rediss", "redis-cluster", "rediss-cluster"]), URL_TEXT, URL_TEXT, URL_TEXT,
+       st.booleans())
+def test_store38_any_url_parses_or_is_a_store_error(scheme, before, after, rest, with_secret):
+    """KVW-STORE-38/39/40: whatever follows the scheme, parsing answers a URL or a
+    StoreError, never another exception; a password (``SeCrEt``, percent-encoded or not,
+    among arbitrary URL characters) is in neither the message nor the url."""
+    url = f"{scheme}://{before}:SeCrEt{after}@{rest}" if with_secret else f"{scheme}://{before}{after}{rest}"
+    try:
+        shown = parse_redis_url(url, {}).url
+    except StoreError as exc:
+        shown = str(exc)
+    assert "SeCrEt" not in shown
 
 
 def test_store39_the_password_is_in_no_output(auth_server, redis_server, caplog, capsys):
