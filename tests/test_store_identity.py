@@ -90,7 +90,8 @@ def test_ident4_item_binds_chunks_from_its_start():
 IDENTS = st.builds(
     RequestIdentity,
     salt=st.one_of(st.none(), st.binary(min_size=1, max_size=6)),
-    adapter=st.one_of(st.none(), st.builds(Adapter, st.text(min_size=1, max_size=4), st.binary(min_size=1, max_size=6))),
+    adapter=st.one_of(st.none(), st.builds(Adapter, st.text(min_size=1, max_size=4),
+                                           st.binary(min_size=1, max_size=6))),
     items=st.lists(st.builds(MultimodalItem, st.binary(min_size=1, max_size=4), st.integers(0, 20),
                              st.integers(1, 5)), max_size=3).map(tuple))
 

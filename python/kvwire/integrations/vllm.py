@@ -28,8 +28,16 @@ wrong tokens (set ``kv_load_failure_policy: "recompute"``; vLLM's default fails 
 request). ``save_kv_layer`` gathers each layer's slots of the chunks to save;
 ``wait_for_save`` stores them, skipping objects that exist.
 
-Extra config: ``store`` (a ``kvwire.store`` URL, default ``file://`` + a temporary
-directory), ``chunk_tokens`` (256), ``codec`` ("raw"; "zstd", or a lossy preset such as
+Request identity (spec/store.md section 10): each request's ``cache_salt``, LoRA adapter
+(name and a fingerprint of its files) and multimodal items (vLLM's content hashes and
+placeholder ranges) are bound into its keys, as vLLM's own block hashes bind them: another
+tenant, adapter or image never gets this request's KV. A request the connector cannot bind
+(prompt embeddings, adapter files it cannot read) is neither looked up nor saved, counted
+as ``unbindable`` and logged once per reason.
+
+Extra config: ``store`` (a ``kvwire.store`` URL; default ``kvwire.store.default_store_url()``,
+a private per-user cache directory; ``memory://`` is refused: the scheduler and the workers
+are separate processes with their own memory, so it could never hit), ``chunk_tokens`` (256), ``codec`` ("raw"; "zstd", or a lossy preset such as
 "int8"), ``timeout`` (store call timeout, seconds), ``layerwise`` (true; false loads every
 layer in ``start_load_kv``), ``prefetch_layers`` (2: layers read ahead), ``save_partial``
 (true: the prompt's trailing partial chunk is stored and matched too, so an exact repeat of
@@ -44,7 +52,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,7 +62,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..adapters.hf_model import arch_from_config
 from ..model.compat import LocalModel, check_compatible
 from ..model.rescale import rescale_cache
-from ..store import KVStore, StoreError, open_store
+from ..store import KVStore, StoreError, default_store_url, open_store
+from .vllm_identity import reason_kind, request_identity
 from ..store.auth import Keyring, check_url
 from .vllm_engine import engine_layout_of, kv_packing, layer_scales_of, model_config_json, platform_fp8
 from .vllm_pipeline import LayerPipeline, same_scales
@@ -92,7 +100,11 @@ class KVWireConnector(KVConnectorBase_V1):
         if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
             raise ValueError(f"prefetch_layers (layers read ahead of the forward pass) must be an int >= 1, "
                              f"not {self.depth!r}")
-        url = extra.get("store") or "file://" + os.path.join(tempfile.gettempdir(), "kvwire-store")
+        url = extra.get("store") or default_store_url()
+        if not isinstance(url, str) or url.split("://", 1)[0].lower() == "memory":
+            raise ValueError(f"store {url!r}: the kvwire connector needs a store its scheduler and workers share "
+                             "(file://DIR, redis://, redis-cluster://); memory:// lives in one process and vLLM's "
+                             "scheduler and workers are separate processes, so it could never hit")
         options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith(("file:", "memory:")) else {}
         self.store_url, self.stats_path = url, extra.get("stats_path")
         self.load_timeout = max(30.0, 4 * float(extra.get("timeout", 5.0)))
@@ -109,10 +121,12 @@ class KVWireConnector(KVConnectorBase_V1):
         check_url(url)  # KVW-AUTH-2: keys never come from a URL; auth_key_file or the environment
         self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
         self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,
-                           saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0)
+                           saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0, unbindable=0)
         # scheduler side
         self._reqs: dict[str, RequestState] = {}
         self._pending_load: dict[str, tuple[int, int]] = {}
+        self._idents: dict = {}  # req_id -> RequestIdentity (KVW-IDENT-7); absent: unbindable or unseen
+        self._unbound_logged: set[str] = set()
         # worker side
         self._layers: dict[str, Any] = {}
         self._order: list[str] = []
@@ -128,11 +142,23 @@ class KVWireConnector(KVConnectorBase_V1):
 
     # == scheduler side =========================================================================
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        identity, why = request_identity(request)
+        if identity is None:  # KVW-IDENT-1: neither loaded nor saved
+            self._idents.pop(request.request_id, None)
+            self._pending_load.pop(request.request_id, None)
+            self.counts["unbindable"] += 1
+            if reason_kind(why) not in self._unbound_logged:
+                self._unbound_logged.add(reason_kind(why))
+                log.warning("kvwire: request %s not looked up or saved: its identity cannot be bound: %s",
+                            request.request_id, why)
+            self._write_stats(True)
+            return 0, False
+        self._idents[request.request_id] = identity
         prompt = list(request.prompt_token_ids or [])
         self.counts["lookups"] += 1
         try:
             hit = self.kv.lookup(prompt, self.key.space, local=None if self.fp8 else self.local,
-                                 partial=self.save_partial)
+                                 partial=self.save_partial, identity=identity)
             if self.fp8 and hit.header is not None:  # the scheduler holds no attention layers, hence no scales:
                 # it checks the rest, and the workers requantize chunks stored with other scales (KVW-SCALE-7)
                 if not check_compatible(hit.header, replace(self.local, kv_scales=hit.header.kv_scales)):
@@ -157,12 +183,16 @@ class KVWireConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, C = KVWireMetadata(), self.chunk_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            prompt = list(new.prompt_token_ids or [])
-            st = self._reqs[new.req_id] = RequestState(prompt, list(new.block_ids[0]))
             load = self._pending_load.pop(new.req_id, None)
+            if new.req_id not in self._idents:
+                continue  # unbindable (KVW-IDENT-1): no state, so never loaded or saved
+            prompt = list(new.prompt_token_ids or [])
+            st = RequestState(prompt, list(new.block_ids[0]), identity=self._idents[new.req_id])
+            self._reqs[new.req_id] = st
             if load is not None:
                 start, stop = load
-                meta.loads.append(LoadSpec(new.req_id, prompt[:-(-stop // C) * C], start, stop, st.block_ids))
+                meta.loads.append(LoadSpec(new.req_id, prompt[:-(-stop // C) * C], start, stop, st.block_ids,
+                                           st.identity))
                 self.counts["matched_tokens"] += stop - start
                 st.saved = stop // C  # chunks that came from the store are there already
                 st.tail_saved = stop > len(prompt) // C * C  # the load used the stored partial chunk
@@ -191,13 +221,16 @@ class KVWireConnector(KVConnectorBase_V1):
             return
         first = span[0] if span is not None else tail
         if tail is not None:
-            meta.saves.append(SaveSpec(req_id, list(st.prompt), first, tail + 1, list(st.block_ids), partial=True))
+            meta.saves.append(SaveSpec(req_id, list(st.prompt), first, tail + 1, list(st.block_ids), partial=True,
+                                       identity=st.identity))
         else:
-            meta.saves.append(SaveSpec(req_id, st.prompt[:span[1] * C], first, span[1], list(st.block_ids)))
+            meta.saves.append(SaveSpec(req_id, st.prompt[:span[1] * C], first, span[1], list(st.block_ids),
+                                       identity=st.identity))
 
     def request_finished(self, request, block_ids):
         self._reqs.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
+        self._idents.pop(request.request_id, None)
         return False, None
 
     # == worker side ============================================================================
@@ -234,7 +267,7 @@ class KVWireConnector(KVConnectorBase_V1):
         if self.layerwise:  # read layer by layer in a thread, a layer or two ahead of the forward pass
             C = self.chunk_tokens
             self._piped = list(meta.loads)
-            self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C))
+            self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C), s.identity)
                                                                  for s in self._piped],
                                        self.arch.num_layers, depth=self.depth, timeout=self.load_timeout,
                                        kv_scales=self._scales())
@@ -246,7 +279,7 @@ class KVWireConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> None:
         C = self.chunk_tokens
         try:
-            got = self.kv.get_cache(spec.tokens, self.key.space, n_chunks=-(-spec.stop // C))
+            got = self.kv.get_cache(spec.tokens, self.key.space, n_chunks=-(-spec.stop // C), identity=spec.identity)
         except StoreError as exc:
             log.warning("kvwire load of %s failed, vLLM recomputes: %s", spec.req_id, exc)
             got = None
@@ -321,7 +354,7 @@ class KVWireConnector(KVConnectorBase_V1):
                                 self.engine_layout, self._scales())
             try:
                 res = self.kv.put_cache(cache, spec.tokens, codec=self.codec, tp_rank=self.key.space.tp_rank,
-                                        tp_size=self.key.space.tp_size, partial=spec.partial)
+                                        tp_size=self.key.space.tp_size, partial=spec.partial, identity=spec.identity)
                 self.counts["saved_chunks"] += res.written
                 self.counts["skipped_chunks"] += res.skipped
             except StoreError as exc:  # a lost save is a later miss, never an error for the request

@@ -49,7 +49,8 @@ def same_scales(header, kv_scales) -> bool:
 
 
 class LayerPipeline:
-    """Loads ``[(req_id, tokens, n_chunks)]`` of ``kv`` in ``space``, layer by layer."""
+    """Loads ``[(req_id, tokens, n_chunks[, identity])]`` of ``kv`` in ``space``, layer by
+    layer (``identity``: the request's ``RequestIdentity``, KVW-IDENT-4)."""
 
     def __init__(self, kv: KVStore, space, loads, num_layers: int, *, depth: int = 2, timeout: float = 30.0,
                  kv_scales=None):
@@ -71,7 +72,8 @@ class LayerPipeline:
 
     def _run(self) -> None:
         try:
-            self.loads = [LayerwiseLoad(self.kv, tokens, self.space, n_chunks) for _, tokens, n_chunks in self.specs]
+            self.loads = [LayerwiseLoad(self.kv, s[1], self.space, s[2], identity=s[3] if len(s) > 3 else None)
+                          for s in self.specs]
             # KVW-SCALE-7: fp8 elements mean something only with their scales; a request's objects share one
             # set (KVStore refuses to join others), so a load whose first object's differ is requantized
             convert = [x.header is not None and not same_scales(x.header, self.kv_scales) for x in self.loads]

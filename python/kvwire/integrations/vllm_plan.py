@@ -100,6 +100,7 @@ class LoadSpec:
     start: int
     stop: int
     block_ids: list
+    identity: object = None  # the request's kvwire.store.RequestIdentity (KVW-IDENT-7)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class SaveSpec:
     stop: int
     block_ids: list
     partial: bool = False
+    identity: object = None  # the request's kvwire.store.RequestIdentity (KVW-IDENT-7)
 
     def token_range(self, chunk_tokens: int) -> tuple[int, int]:
         return self.first * chunk_tokens, min(self.stop * chunk_tokens, len(self.tokens))
@@ -125,6 +127,7 @@ class RequestState:
     block_ids: list = field(default_factory=list)
     saved: int = 0  # chunks already saved, loaded or planned
     tail_saved: bool = False  # the trailing partial chunk: saved, loaded or planned
+    identity: object = None  # kvwire.store.RequestIdentity
 
 
 def matched_tokens(hit_tokens: int, prompt_len: int, num_computed: int, block_size: int) -> int:
