@@ -217,8 +217,8 @@ class RedisStore(Store):
         if isinstance(reply, Exception):
             raise StoreError(f"{self.url}: redis refused the command for {key!r}: {reply}")
         if kinds is not None and not isinstance(reply, kinds):
-            raise StoreError(f"{self.url}: the reply for {key!r} is a {type(reply).__name__}, not what the command "
-                             "answers: is this a Redis server?")
+            raise StoreError(f"{self.url}: the reply for {key!r} is of type {type(reply).__name__}, not what the "
+                             "command answers: is this a Redis server?")
         return reply
 
     # -- reads ---------------------------------------------------------------------------

@@ -66,9 +66,10 @@ def describe_failure(exc, *, tls: bool, password: bool) -> str:
                "fallback (check the ca= file and server_name=)"
     tls_err = next((c for c in chain if isinstance(c, ssl.SSLError)), None)
     if tls_err is not None:
-        hint = " (is this a plaintext port? rediss:// needs a port with TLS)" if "WRONG_VERSION" in str(
-            tls_err).upper() else " (does the server require a client certificate? give cert= and key=)" if \
-            "ALERT" in str(tls_err).upper() else ""
+        told = str(tls_err).upper()
+        hint = " (is this a plaintext port? rediss:// needs a port with TLS)" if "WRONG_VERSION" in told else \
+            " (does the server require a client certificate? give cert= and key=)" if "ALERT" in told or \
+            "EOF" in told else ""
         return f"TLS handshake failed: {tls_err}{hint}"
     if isinstance(exc, redis.AuthenticationError):
         why = "wrong user name or password" if password else "the server requires a password: " \
@@ -86,7 +87,8 @@ def describe_failure(exc, *, tls: bool, password: bool) -> str:
         return f"the reply is not Redis protocol ({text[:200]}): is this a Redis server?"
     closed = any(isinstance(c, (ConnectionResetError, BrokenPipeError)) for c in chain) or "closed" in text
     if closed:
-        hint = "" if tls else " (a TLS-only port does this to a plaintext client: use rediss://)"
+        hint = " (a server that requires a client certificate does this: give cert= and key=)" if tls else \
+            " (a TLS-only port does this to a plaintext client: use rediss://)"
         return f"the connection was closed or reset by the server ({text}){hint}"
     return f"cannot connect: {text}" if "connecting" in text else f"{type(exc).__name__}: {text}"
 
