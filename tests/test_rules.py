@@ -136,9 +136,10 @@ def test_err3_truncated_reports_bytes_needed():
     assert info.value.needed == 32 + hlen
 
 
-def test_zstd_decompressor_is_not_the_checksum():
-    """KVW-CODEC-2 relies on the stored checksum, not zstd's own (writers omit it)."""
+def test_zstd_frames_carry_their_content_checksum():
+    """KVW-CODEC-4 (revision 1.4; it replaced CODEC-3's "writers SHOULD omit it"): the record
+    checksum covers the stored bytes, zstd's own content checksum the decoded ones."""
     data = kvwire.encode(CACHE, codec="zstd")
     off, length = forge.layout(data).bodies[0]
     params = zstandard.get_frame_parameters(data[off : off + length])
-    assert not params.has_checksum and params.content_size > 0
+    assert params.has_checksum and params.content_size > 0
