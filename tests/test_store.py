@@ -90,8 +90,9 @@ def test_store6_open_store(tmp_path):
     s = open_store(f"file://{tmp_path}/d")
     assert isinstance(s, LocalStore) and s.root == str(tmp_path / "d")
     assert isinstance(open_store("memory://"), MemoryStore)
-    for url in ["s3://bucket/x", "nothing", "rediss://localhost:6379/0"]:
-        with pytest.raises(StoreError, match="not supported.*file://, memory://, redis://, redis-cluster://"):
+    for url in ["s3://bucket/x", "nothing", "redis+tls://localhost:6379/0"]:
+        with pytest.raises(StoreError, match="not supported.*file://, memory://, redis://, redis-cluster://, "
+                                             "rediss://, rediss-cluster://"):
             open_store(url)
     with pytest.raises(StoreError):
         open_store("file://")
