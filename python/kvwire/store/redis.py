@@ -82,7 +82,7 @@ class Node:
         from redis.retry import Retry
         self.addr = f"{host}:{port}"
         self.tls, self.has_password = ssl_context is not None, password is not None
-        # every redis-py failure, and what a broken socket or a garbled reply raises under it
+        # every redis-py failure and a socket's, then what a parser may raise on a garbled reply
         self._errors = (redis.RedisError, OSError, ValueError, TypeError, IndexError)
         self._response_error = redis.ResponseError
         extra = dict(connection_class=tls_connection_class(), ssl_context=ssl_context,
@@ -113,7 +113,7 @@ class Node:
             conn.send_packed_command([c for cmd in commands for c in pack(cmd)], check_health=False)
         except BaseException as exc:
             self.drop(conn)
-            if isinstance(exc, self._errors):
+            if isinstance(exc, self._errors[:2]):  # the connection's, not pack's (a bug is not a store failure)
                 raise self.failure(exc, "sending failed (a SET applies whole or not at all: no partial "
                                         "object is stored): ") from exc
             raise
