@@ -398,3 +398,27 @@ def test_store_cli_init_and_gc_all_in_help():
     assert "--all" in out.stdout
     out = subprocess.run([sys.executable, "-m", "kvwire", "store", "--help"], capture_output=True, text=True)
     assert "init" in out.stdout
+
+
+def test_store34_redis_gc_touches_only_keys_that_parse(tmp_path, capsys):
+    """KVW-STORE-34 on Redis (a real redis-server): gc --fingerprint / --verify / plain gc
+    remove only keys that parse as kvwire keys; the server's other keys, and kvw1/ keys no
+    writer makes, survive."""
+    from redisfix import RedisServer
+    with RedisServer(tmp_path / "r") as server:
+        s = open_store(server.url)
+        kv = KVStore(s)
+        good = kv.put_cache(make_cache(8), list(range(8))).keys
+        odd = f"kvw1/{FP.hex()}/bf16/tp0of1/l0-2/lossless/c04/" + "00" * 32
+        others = {odd: obj(), "app/session-42": b"user data", f"kvw1/{FP.hex()}/x": b"junk", "kvw1": b"?"}
+        for k, v in others.items():
+            s.put(k, v)
+        status, out, _ = run(capsys, "gc", "--url", server.url, "--fingerprint", FP.hex())
+        assert status == 0 and f"removed {len(good)} objects" in out
+        status, out, _ = run(capsys, "gc", "--url", server.url, "--verify")
+        assert status == 0 and "removed 0 objects" in out
+        status, _, err = run(capsys, "gc", "--url", server.url, "--all")
+        assert status == 2 and "not supported" in err
+        assert sorted(s.list()) == sorted(others) and [bytes(s.get(k)) for k in sorted(others)] == [
+            others[k] for k in sorted(others)]
+        s.close()
