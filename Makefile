@@ -47,16 +47,17 @@ $(DOCS_STAMP): $(STAMP) Makefile
 docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict -q
 
-# The store tests start real Redis servers (tests/redisfix.py): install redis-server when it is missing.
+# The store tests start real Redis servers (tests/redisfix.py), TLS ones with certificates made by the
+# openssl CLI: install redis-server and openssl when they are missing.
 test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@for tool in redis-server openssl; do command -v $$tool >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	    echo "installing redis-server (apt-get)"; \
-	    apt-get install -y -qq redis-server >/dev/null 2>&1 || \
-	      { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } || exit 1; \
+	    echo "installing $$tool (apt-get)"; \
+	    apt-get install -y -qq $$tool >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq $$tool >/dev/null; } || exit 1; \
 	  else \
-	    echo "make test needs redis-server: sudo apt-get install redis-server (or your system's package)" >&2; exit 1; \
-	  fi; }
+	    echo "make test needs $$tool: sudo apt-get install $$tool (or your system's package)" >&2; exit 1; \
+	  fi; }; done
 	$(MAKE) docs
 	$(PY) -m pytest -q
 

@@ -106,7 +106,7 @@ class KVWireConnector(KVConnectorBase_V1):
                              "(file://DIR, redis://, redis-cluster://); memory:// lives in one process and vLLM's "
                              "scheduler and workers are separate processes, so it could never hit")
         options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith(("file:", "memory:")) else {}
-        self.store_url, self.stats_path = url, extra.get("stats_path")
+        self.stats_path = extra.get("stats_path")
         self.load_timeout = max(30.0, 4 * float(extra.get("timeout", 5.0)))
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         dtype = cache_dtype_of(mc.dtype, vllm_config.cache_config.cache_dtype, platform_fp8())
@@ -120,6 +120,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
         check_url(url)  # KVW-AUTH-2: keys never come from a URL; auth_key_file or the environment
         self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
+        self.store_url = self.kv.store.url  # redacted (KVW-STORE-39): it goes to the log and the stats file
         self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,
                            saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0, unbindable=0)
         # scheduler side
@@ -137,7 +138,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()
-        log.info("kvwire connector (%s): store %s, chunks of %d tokens, codec %s, key root %s", role, url,
+        log.info("kvwire connector (%s): store %s, chunks of %d tokens, codec %s, key root %s", role, self.store_url,
                  self.chunk_tokens, self.codec, self.key.space.root)
 
     # == scheduler side =========================================================================

@@ -171,8 +171,8 @@ def version_text() -> str:
 
     return (f"kvwire {__version__}\n"
             f"container format {R.FORMAT_MAJOR}.{R.FORMAT_MINOR}-{R.FORMAT_MAJOR}.{R.FORMAT_MINOR_IMPLEMENTED} "
-            f"(spec/kvwire-v1.md; writes {R.FORMAT_MAJOR}.{R.FORMAT_MINOR} unless a 1.{R.FORMAT_MINOR_IMPLEMENTED} "
-            f"feature is used)\nstore keys {KEY_VERSION} (spec/store.md)")
+            f"(spec/kvwire-v1.md; writes the lowest minor whose features a container uses; zstd frames "
+            f"carry content checksums, 1.4)\nstore keys {KEY_VERSION} (spec/store.md)")
 
 
 def main(argv=None) -> int:
