@@ -336,12 +336,14 @@ def test_store32_another_users_or_writable_store_is_refused(tmp_path):
 @pytest.mark.parametrize("query, words", [("shared=world", "one of: private, group"),
                                           ("mode=0700", r"unknown parameter .mode.*shared=private\|group"),
                                           ("shared=group&shared=private", "given 2 times"),
-                                          ("shared", "malformed query .shared.; the only parameter is shared=private")])
+                                          ("shared", "malformed query; the only parameter is shared=private"),
+                                          ("token=s3cr3t", "unknown parameter .token.")])
 def test_store33_url_parameters(tmp_path, query, words):
     """KVW-STORE-33: only shared=private|group; anything else names the valid choices."""
-    with pytest.raises(StoreError, match=words):
+    with pytest.raises(StoreError, match=words) as info:
         open_store(f"file://{tmp_path}/s?{query}")
     assert not (tmp_path / "s").exists()
+    assert "s3cr3t" not in str(info.value)  # KVW-STORE-39: a query's values are never repeated
 
 
 def test_store33_the_marker_keeps_the_sharing_mode(tmp_path):

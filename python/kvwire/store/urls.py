@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .auth import check_url
 from .base import Store, StoreError
 from .cluster import open_cluster
 from .local import LocalStore
@@ -41,25 +42,26 @@ def file_url(url: str) -> tuple[str, dict]:
     query parameter ``shared=private|group`` (KVW-STORE-6, 33). A ``..`` component
     (KVW-STORE-29), any other parameter or a fragment is refused, naming what is valid."""
     parts = urlsplit(url)
+    shown = "file://" + parts.netloc + parts.path  # messages never repeat a query's values (KVW-STORE-39)
     path = unquote((parts.netloc + parts.path) if parts.netloc not in ("", "localhost") else parts.path)
     if not path:
-        raise StoreError(f"{url!r}: a file:// URL needs a directory (file:///var/cache/kvwire)")
+        raise StoreError(f"{shown!r}: a file:// URL needs a directory (file:///var/cache/kvwire)")
     if parts.fragment:
-        raise StoreError(f"{url!r}: a file:// URL takes no fragment ('#...'); percent-encode a '#' in a directory "
+        raise StoreError(f"{shown!r}: a file:// URL takes no fragment ('#...'); percent-encode a '#' in a directory "
                          "name as %23")
     check_root_path(path)
     try:
         query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError:
-        raise StoreError(f"{url!r}: malformed query {parts.query!r}; the only parameter is "
+        raise StoreError(f"{shown!r}: malformed query; the only parameter is "
                          f"shared={'|'.join(SHARED)}") from None
     unknown = sorted(set(query) - {"shared"})
     if unknown:
-        raise StoreError(f"{url!r}: unknown parameter {unknown[0]!r} of a file:// URL; the only parameter is "
+        raise StoreError(f"{shown!r}: unknown parameter {unknown[0]!r} of a file:// URL; the only parameter is "
                          f"shared={'|'.join(SHARED)}")
     shared = query.get("shared", ["private"])
     if len(shared) != 1:
-        raise StoreError(f"{url!r}: shared= is given {len(shared)} times; give it once")
+        raise StoreError(f"{shown!r}: shared= is given {len(shared)} times; give it once")
     return path, {"shared": check_shared(shared[0])}
 
 
@@ -71,6 +73,7 @@ def open_store(url: str, **options) -> Store:
     timeout, connect_timeout in seconds)."""
     if not isinstance(url, str):
         raise TypeError(f"open_store needs a URL string, not {type(url).__name__}")
+    check_url(url)  # KVW-AUTH-2: keys never come from a URL (the message says where they go)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     create = options.pop("create", True)  # file:// only: the other backends have no directory to create
     if scheme == "memory":

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                                                   "file, --json)"))
     from .store_cli import configure_cli as configure_store
 
-    configure_store(sub.add_parser("store", help="a KV store (--url file://DIR): stats, ls, inspect KEY, gc"))
+    configure_store(sub.add_parser("store", help="a KV store (--url file://DIR, redis://, ...): init, stats, ls, inspect KEY, gc"))
     args = p.parse_args(argv)  # argparse ignores a failed write of --help / --version itself
     try:
         status = args.func(args)
