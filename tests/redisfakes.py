@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from redisfix import SilentServer
+
 
 @dataclass(frozen=True)
 class Certs:
@@ -106,7 +108,7 @@ def resp_commands(buf: bytearray) -> int:
         n += 1
 
 
-class FakeServer:
+class FakeServer(SilentServer):
     """A listener on a free loopback port that is not a Redis server, for the failure
     mapping (KVW-STORE-40). ``mode``: "junk" answers the first bytes it gets with an HTTP
     error (not RESP), "close" closes every connection at once, "reset" resets it (RST),
@@ -117,34 +119,21 @@ class FakeServer:
         if mode not in ("junk", "close", "reset", "wrong"):
             raise ValueError(f"mode {mode!r}: junk, close, reset or wrong")
         self.mode = mode
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list = []
-        self._stop = False
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        super().__init__()
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            if self.mode == "close":
-                conn.close()
-            elif self.mode == "reset":
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.close()
-            else:
-                self.conns.append(conn)
-                threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+    def serve(self, conn) -> None:
+        if self.mode == "close":
+            conn.close()
+        elif self.mode == "reset":
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        else:
+            self.conns.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn) -> None:
         conn.settimeout(0.1)
@@ -168,19 +157,5 @@ class FakeServer:
                     conn.sendall(b":7\r\n" * resp_commands(buf))
             except OSError:
                 return
-
-    def close(self) -> None:
-        self._stop = True
-        self.thread.join(2)
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 __all__ = ["Certs", "FakeServer", "make_certs", "resp_commands"]

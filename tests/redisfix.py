@@ -371,7 +371,12 @@ class SilentServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 continue
-            self.conns.append(conn)  # kept open, never read from or written to
+            self.serve(conn)
+
+    def serve(self, conn) -> None:
+        """What happens to an accepted connection: kept open, never read from or written to
+        (subclasses answer otherwise)."""
+        self.conns.append(conn)
 
     def close(self) -> None:
         self._stop = True

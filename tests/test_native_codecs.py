@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dualpath
 import kvwire
 import numpy as np
 import pytest
@@ -25,7 +26,6 @@ from kvwire.codecs import byteplane, native, quant
 from kvwire.codecs.pipeline import decode_chunk, lossy_range
 from kvwire.format import registry as R
 from kvwire.format.architecture import Architecture, LayerSpec
-from kvwire.format.errors import FormatError
 from kvwire.format.header import Header
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,21 +36,8 @@ FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthChe
 
 
 def both(fn):
-    """(numpy result, native result) of fn(): each its bytes, or the FormatError it raised
-    as ("err", code, class, rule)."""
-    def run():
-        try:
-            return ("ok", bytes(memoryview(fn()).cast("B")))
-        except FormatError as e:
-            return ("err", e.code, type(e).__name__, e.rule)
-    native.disable()
-    a = run()
-    native.enable(LIB)
-    try:
-        b = run()
-    finally:
-        native.disable()
-    return a, b
+    """(numpy result, native result) of fn() (tests/dualpath.py)."""
+    return dualpath.both(fn, LIB)
 
 
 def header(dtype, heads, dim_k, dim_v, tokens, specs=()):

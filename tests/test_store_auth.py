@@ -7,6 +7,7 @@ real Redis server; a keyed writer heals them; unkeyed readers keep working; the 
 from __future__ import annotations
 
 import hashlib
+import json
 import hmac
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ from kvwire.store.auth import (
     ENV_KEY_FILE, ENV_KEYS, MAX_TAG_BYTES, Keyring, Tag, TagError, check_url, pack_tag, parse_tag, tag_key, tag_message,
 )
 from kvwire.store.layerwise import LayerwiseLoad
+from kvwire.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = hashlib.sha256(b"auth-test-model").digest()
@@ -241,3 +243,21 @@ def test_auth2_key_sources(tmp_path):
     check_url("rediss://h:6380/0?key=/etc/tls/client.key")  # the TLS client key file is not a tag key
     with pytest.raises(TypeError, match="Keyring"):
         KVStore(open_store("memory://"), auth=secret)
+
+
+def test_auth3_store_cli_knows_tags(tmp_path, capsys):
+    """KVW-AUTH-3 through `kvwire store`: a tag is listed as one, counted beside its object's
+    key root, left alone by `gc --verify` (which holds no keys) and removed with its object
+    by `gc --fingerprint`."""
+    url = f"file://{tmp_path}/store"
+    KVStore(open_store(url), auth=RING).put_cache(GOOD, TOKENS)
+    assert cli_main(["store", "ls", "--long", "--url", url]) == 0
+    listed = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert sorted(r[1] for r in listed if r[2].endswith(".tag")) == ["tag"] * 3
+    assert cli_main(["store", "stats", "--url", url, "--json"]) == 0
+    (root,) = json.loads(capsys.readouterr().out)["roots"]
+    assert (root["objects"], root["tags"]) == (3, 3)
+    assert cli_main(["store", "gc", "--verify", "--url", url]) == 0
+    assert len(open_store(url).list()) == 6, capsys.readouterr().out
+    assert cli_main(["store", "gc", "--fingerprint", FP.hex(), "--url", url]) == 0
+    assert open_store(url).list() == []

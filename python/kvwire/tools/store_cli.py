@@ -16,18 +16,15 @@ import json
 import re
 import sys
 
-from ..cache.reader import Reader, probe
-from ..format import registry as R
-from ..format.errors import FormatError, TruncatedError
-from ..store import KeySpace, StoreError, open_store
+from ..store import StoreError, open_store
+from ..store.auth import is_tag_key
+from ..store.keys import KEY_VERSION
 from ..store.local_admin import init_store
 from ..store.urls import file_url
-from ..store.keys import KEY_VERSION, header_mismatches
-from ..store.kvstore import HEAD_BYTES
 from .cliargs import count
+from .store_objects import check_object, heads, parse_key, problem, sizes_of, space_dict
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-BATCH = 256  # keys per batched sizes / ranged-get call
 MISMATCH = "STORE_KEY_MISMATCH"  # stderr code of an object whose header disagrees with its key
 DESCRIPTION = """Look into a kvwire store (spec/store.md) and clean it. URLs: file:///abs/dir,
 file://rel/dir, file:///abs/dir?shared=group, memory:// (one process: always empty
@@ -103,64 +100,6 @@ def _guarded(func):
     return run
 
 
-def _batches(keys):
-    for i in range(0, len(keys), BATCH):
-        yield keys[i:i + BATCH]
-
-
-def _sizes(store, keys) -> list:
-    return [s for b in _batches(keys) for s in store.sizes(b)]
-
-
-def _parse(key):
-    """(space, hash) of a kvw1 key, else None."""
-    try:
-        return KeySpace.parse(key)
-    except ValueError:
-        return None
-
-
-def _header(store, key, head):
-    """(header, head bytes) from a first ranged read, with the second read when the header
-    is longer (KVW-STORE-19); (None, None) when the object vanished. FormatError: corrupt."""
-    try:
-        return probe(head), head
-    except TruncatedError as exc:
-        if exc.needed is None or len(head) < HEAD_BYTES:
-            raise  # the whole object was read and it is short
-        head = store.get(key, (0, exc.needed))
-        return (None, None) if head is None else (probe(head), head)
-
-
-def _heads(store, keys):
-    """(key, header or None, head bytes or None, error or None) per key, in batches."""
-    for batch in _batches(keys):
-        for key, head in zip(batch, store.get_many(batch, (0, HEAD_BYTES))):
-            if head is None:
-                yield key, None, None, "missing"
-                continue
-            try:
-                h, head = _header(store, key, head)
-                yield key, h, head, None if h is not None else "missing"
-            except FormatError as exc:
-                yield key, None, head, exc
-
-
-def _space_dict(space: KeySpace, chunk_hash: bytes) -> dict:
-    return {"version": KEY_VERSION, "fingerprint": space.fingerprint.hex(), "dtype": space.dtype,
-            "shard": f"tp{space.tp_rank}of{space.tp_size}", "layers": list(space.layers),
-            "fidelity": space.fidelity, "chunk_tokens": space.chunk_tokens, "hash": chunk_hash.hex()}
-
-
-def _header_dict(h) -> dict:
-    p = h.prefix
-    return {"model_type": h.model.model_type, "model_id": h.model.model_id,
-            "compat_fingerprint": h.model.compat_fingerprint.hex(), "dtype": h.dtype, "num_layers": h.num_layers,
-            "first_position": h.first_position, "token_count": h.token_count, "chunk_tokens": h.chunk_tokens,
-            "codec_specs": [s.codec for s in h.codec_specs],
-            "prefix": None if p is None else {"scheme": p.scheme, "root": p.root.hex(), "hashes": p.hashes.hex()}}
-
-
 def _text(v) -> str:
     if isinstance(v, bytes):
         return v.hex()
@@ -172,15 +111,16 @@ def cmd_stats(args, store) -> int:
     info = store.info()
     keys = store.list()
     roots, other = {}, {"objects": 0, "bytes": 0}
-    for key, size in zip(keys, _sizes(store, keys)):
-        parsed = _parse(key)
+    for key, size in zip(keys, sizes_of(store, keys)):
+        parsed = parse_key(key)
         if parsed is None:
             g = other
         else:
             sp = parsed[0]
-            g = roots.setdefault(sp.root, {"root": sp.root, **_space_dict(sp, b""), "objects": 0, "bytes": 0})
+            g = roots.setdefault(sp.root, {"root": sp.root, **space_dict(sp, b""), "objects": 0, "tags": 0,
+                                           "bytes": 0})
             g.pop("hash", None)
-        g["objects"] += 1
+        g["tags" if parsed is not None and is_tag_key(key) else "objects"] += 1
         g["bytes"] += size or 0
     rows = sorted(roots.values(), key=lambda g: g["root"])
     if args.json:
@@ -191,11 +131,11 @@ def cmd_stats(args, store) -> int:
         if k not in ("url", "backend"):
             print(f"  {k:<20} {_text(v)}")
     print("by key root:")
-    head = ("model", "dtype", "shard", "layers", "fidelity", "chunk", "objects", "bytes")
+    head = ("model", "dtype", "shard", "layers", "fidelity", "chunk", "objects", "tags", "bytes")
     table = [head] + [(g["fingerprint"][:12], g["dtype"], g["shard"], "{}-{}".format(*g["layers"]), g["fidelity"],
-                       str(g["chunk_tokens"]), str(g["objects"]), str(g["bytes"])) for g in rows]
+                       str(g["chunk_tokens"]), str(g["objects"]), str(g["tags"]), str(g["bytes"])) for g in rows]
     if other["objects"]:
-        table.append((f"(not {KEY_VERSION})", "", "", "", "", "", str(other["objects"]), str(other["bytes"])))
+        table.append((f"(not {KEY_VERSION})", "", "", "", "", "", str(other["objects"]), "", str(other["bytes"])))
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for r in table:
         print("  " + "  ".join(c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
@@ -207,14 +147,18 @@ def cmd_stats(args, store) -> int:
 # -- ls ---------------------------------------------------------------------------------------
 def cmd_ls(args, store) -> int:
     keys = store.list(args.prefix)
-    sizes = _sizes(store, keys)
+    sizes = sizes_of(store, keys)
     rows = [{"key": k, "size": s} for k, s in zip(keys, sizes)]
-    if args.long:
-        for row, (_, h, _, err) in zip(rows, _heads(store, keys)):
+    if args.long:  # a tag (K.tag, KVW-AUTH-3) has no container header: listed as what it is
+        found = heads(store, [k for k in keys if not is_tag_key(k)])
+        for row, (_, h, _, err) in ((r, next(found)) for r in rows if not is_tag_key(r["key"])):
             if h is not None:
                 row.update(first_position=h.first_position, token_count=h.token_count)
             else:
                 row["error"] = err if isinstance(err, str) else err.code
+        for row in rows:
+            if is_tag_key(row["key"]):
+                row["error"] = "tag"
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
@@ -230,51 +174,12 @@ def cmd_ls(args, store) -> int:
 
 
 # -- inspect ----------------------------------------------------------------------------------
-def _check(store, key, verify: bool) -> dict:
-    """What inspect and gc --verify know of one object: header, mismatches, records,
-    verified, error (a FormatError) or missing."""
-    space, chunk_hash = KeySpace.parse(key)
-    out = {"key": key, "parsed": _space_dict(space, chunk_hash), "size": store.sizes([key])[0], "header": None,
-           "mismatches": [], "records": None, "verified": None, "error": None, "missing": False}
-    head = store.get(key, (0, HEAD_BYTES))
-    try:
-        h, head = (None, None) if head is None else _header(store, key, head)
-        if h is None:
-            out["missing"] = True
-            return out
-        out["header"] = _header_dict(h)
-        out["mismatches"] = header_mismatches(h, space, chunk_hash)
-        whole = head if len(head) < HEAD_BYTES else (store.get(key) if verify else None)
-        if whole is None and verify:
-            out["missing"] = True
-            return out
-        if whole is not None:  # the records are cheap once the object is in hand
-            r = Reader(whole)
-            names = [R.CODEC_BY_CODE[int(c)] for c in r.records["codec"]]
-            out["records"] = {n: names.count(n) for n in sorted(set(names))}
-            if verify:
-                r.load(verify=True)
-                out["verified"] = True
-    except FormatError as exc:
-        out["error"] = {"code": exc.code, "message": str(exc)}
-        out["verified"] = False if verify else None
-    return out
-
-
-def _problem(d) -> str | None:
-    if d["error"]:
-        return d["error"]["message"]
-    if d["mismatches"]:
-        return "KVW-STORE-17: " + "; ".join(d["mismatches"])
-    return None
-
-
 def cmd_inspect(args, store) -> int:
-    d = _check(store, args.key, args.verify)
+    d = check_object(store, args.key, args.verify)
     if d["missing"]:
         print(f"kvwire store inspect: error: {store.url}: no object under {args.key}", file=sys.stderr)
         return EXIT_USAGE
-    bad = _problem(d)
+    bad = problem(d)
     if args.json:
         print(json.dumps({**d, "url": store.url, "ok": bad is None}, indent=2))
     else:
@@ -358,8 +263,8 @@ def cmd_gc(args, store) -> int:
             print(f"{verb} {key} ({why})")
 
     if args.fingerprint is not None:  # only keys that parse as kvwire keys are ever touched
-        keys = [k for k in store.list(f"{KEY_VERSION}/{args.fingerprint}/") if _parse(k) is not None]
-        for key, size in zip(keys, _sizes(store, keys)):
+        keys = [k for k in store.list(f"{KEY_VERSION}/{args.fingerprint}/") if parse_key(k) is not None]
+        for key, size in zip(keys, sizes_of(store, keys)):
             remove(key, size, f"model {args.fingerprint[:12]}")
     temps = 0
     if has_gc:
@@ -378,7 +283,7 @@ def cmd_gc(args, store) -> int:
 
 def _evict(store, target: int, dry: bool, gone: dict) -> None:
     keys = [k for k in store.list() if k not in gone]
-    sizes = dict(zip(keys, _sizes(store, keys)))
+    sizes = dict(zip(keys, sizes_of(store, keys)))
     total = store.total_bytes  # the kvwire objects only: other files neither count nor go (KVW-STORE-34)
     if total <= target:
         print(f"{total} bytes <= --max-bytes {target}: nothing to evict")
@@ -402,11 +307,13 @@ def _verify_all(store, remove, gone: dict) -> None:
         if not key.startswith(KEY_VERSION + "/"):
             foreign += 1  # not a kvwire object (a shared server's other keys): left alone
             continue
-        if _parse(key) is None:  # a kvw1 key no conforming writer makes (KVW-STORE-13..16): not ours either
+        if parse_key(key) is None:  # a kvw1 key no conforming writer makes (KVW-STORE-13..16): not ours either
             unparsed += 1
             continue
-        d = _check(store, key, verify=True)
-        bad = _problem(d)
+        if is_tag_key(key):  # checked by keyed readers (KVW-AUTH-6); --verify holds no keys
+            continue
+        d = check_object(store, key, verify=True)
+        bad = problem(d)
         if bad is not None and not d["missing"]:
             remove(key, d["size"], bad)
     if foreign:
