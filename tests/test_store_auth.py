@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvwire
 from kvwire.format.header import ModelIdentity
-from kvwire.store import KeySpace, KVStore, LocalStore, StoreError, open_store
+from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore, StoreError, open_store
 from kvwire.store.auth import (
     ENV_KEY_FILE, ENV_KEYS, MAX_TAG_BYTES, Keyring, Tag, TagError, check_url, pack_tag, parse_tag, tag_key, tag_message,
 )
@@ -261,3 +261,43 @@ def test_auth3_store_cli_knows_tags(tmp_path, capsys):
     assert len(open_store(url).list()) == 6, capsys.readouterr().out
     assert cli_main(["store", "gc", "--fingerprint", FP.hex(), "--url", url]) == 0
     assert open_store(url).list() == []
+
+
+class CountingStore(MemoryStore):
+    """A memory store that counts round trips: each outermost call of the protocol is one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.depth = 0, 0
+
+
+def _counted(name):
+    def call(self, *args, **kwargs):
+        self.depth += 1
+        try:
+            self.calls += self.depth == 1
+            return getattr(MemoryStore, name)(self, *args, **kwargs)
+        finally:
+            self.depth -= 1
+    return call
+
+
+for _name in ("get", "get_many", "get_ranges", "leading", "exists", "exists_many", "sizes"):
+    setattr(CountingStore, _name, _counted(_name))
+
+
+def test_auth6_tags_cost_no_round_trip():
+    """KVW-AUTH-6: a keyed reader fetches each tag in the batch of its header, so whole loads,
+    lookups and layer-by-layer loads take as many store round trips as an unkeyed reader's."""
+    s = CountingStore()
+    KVStore(s, auth=RING).put_cache(GOOD, TOKENS)
+    trips = {}
+    for name, ring in (("unkeyed", None), ("keyed", RING)):
+        kv, trips[name] = KVStore(s, auth=ring), []
+        for step in (lambda: kv.get_cache(TOKENS, SPACE), lambda: kv.lookup(TOKENS, SPACE),
+                     lambda: LayerwiseLoad(kv, TOKENS, SPACE).load_layer(1)):
+            before = s.calls
+            step()
+            trips[name].append(s.calls - before)
+    assert trips["keyed"] == trips["unkeyed"] and min(trips["keyed"]) >= 1, trips
+    assert kv.stats()["auth_failures"] == 0
