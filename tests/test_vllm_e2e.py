@@ -136,7 +136,7 @@ def check_against_transformers(store_url: str, prompt) -> None:
     got = KVStore(open_store(store_url)).get_cache(prompt, key_space(), n_chunks=n // C)
     assert got.tokens == n
     layout = got.cache.header.engine_layout  # derived from the buffers and the backend's kernels, recorded
-    assert layout.name == "vllm.v0_29.cpu.vec" and layout.engine.startswith("vllm/0.32"), layout
+    assert layout.name == engine_layout_name() and layout.engine.startswith("vllm/0.32"), layout
     for i, layer in enumerate(got.cache.layers):
         hk, hv = (x[0].float().numpy() for x in (pkv.layers[i].keys, pkv.layers[i].values))
         for name, mine, theirs in (("k", layer["k"], hk), ("v", layer["v"], hv)):
@@ -145,6 +145,23 @@ def check_against_transformers(store_url: str, prompt) -> None:
             err = np.abs(mine - theirs).max() / (np.abs(theirs).max() + 1e-6)
             cos = (mine * theirs).sum() / np.sqrt((mine * mine).sum() * (theirs * theirs).sum())
             assert cos > 0.999 and err < 0.05, f"layer {i} {name}: cosine {cos:.5f}, max rel err {err:.4f}"
+
+
+def engine_layout_name() -> str:
+    """The layout the connector records for the model's bfloat16 engine on this host: vLLM's
+    CPU backend picks its kernels by CPU (``_get_attn_isa``: "amx" with AMX tiles, whose tiles
+    the header names ``vllm.v0_32.cpu.amx``, spec/layouts.md KVW-BIND-5; "vec" otherwise)."""
+    from kvwire import layouts
+    from kvwire.integrations.vllm_engine import CPU_ISA_HEADER_LAYOUT
+
+    head_dim = json.loads((MODEL / "config.json").read_text())["head_dim"]
+    code = ("import torch; from vllm.v1.attention.backends.cpu_attn import _get_attn_isa; "
+            f"print(_get_attn_isa(torch.bfloat16, {BLOCK}, {head_dim}, 'auto'))")
+    p = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    isa = p.stdout.split()[-1]
+    return CPU_ISA_HEADER_LAYOUT.get(isa) or layouts.CPU_ISAS[isa][0]
 
 
 def key_space():

