@@ -68,10 +68,17 @@ def read_decoded(out_dir: Path) -> dict:
             "chunk_count": doc.get("chunk_count")}
 
 
+# A serve process's first answer waits this much longer than --timeout: starting an
+# interpreter and importing an implementation can take seconds on a loaded machine, and a
+# hang must be the command's, never the start-up's.
+STARTUP_GRACE = 60.0
+
+
 class ServeSession:
     """One ``CMD serve`` process answering JSON-line requests (PROTOCOL.md, "serve")."""
 
-    def __init__(self, argv: list):
+    def __init__(self, argv: list, startup_grace: float = STARTUP_GRACE):
+        self.startup_grace = startup_grace  # the first answer also waits for the process to start
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(argv + ["serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr)
@@ -89,7 +96,7 @@ class ServeSession:
             self.proc.stdin.flush()
         except OSError:
             return None
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + (self.startup_grace if self.next_id == 1 else 0.0)
         fd = self.proc.stdout.fileno()
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
