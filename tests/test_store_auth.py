@@ -301,3 +301,21 @@ def test_auth6_tags_cost_no_round_trip():
             trips[name].append(s.calls - before)
     assert trips["keyed"] == trips["unkeyed"] and min(trips["keyed"]) >= 1, trips
     assert kv.stats()["auth_failures"] == 0
+
+
+def test_auth5_digests_on_threads_are_the_same(monkeypatch):
+    """KVW-AUTH-5/6 on the threaded path (large objects hash their bodies in parallel):
+    the same tag bytes as on one thread, and a forged body is still caught."""
+    from kvwire.store import auth
+
+    one = KVStore(MemoryStore(), auth=RING)
+    one.put_cache(GOOD, TOKENS)
+    monkeypatch.setattr(auth, "PARALLEL_BYTES", 0)
+    assert auth.digests_of([(0, 3), (1, 4)], lambda a, b: bytes(range(a, b))) == [b"\0\1\2", b"\1\2\3"]
+    many = KVStore(MemoryStore(), auth=RING)
+    many.put_cache(GOOD, TOKENS)
+    tags = [k for k in one.store.list() if k.endswith(".tag")]
+    assert tags and all(one.store.get(k) == many.store.get(k) for k in tags)
+    assert many.get_cache(TOKENS, SPACE).tokens == len(TOKENS)
+    plant(many.store, 1, evil_object(1), bytes(many.store.get(tag_key(KEYS[1]))))  # the victim's tag kept
+    assert served(many) == (C, C, C) and many.counts["auth_failures"] >= 1

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_preamble
-from .auth import MAX_TAG_BYTES, Tag, TagError, tag_key
+from .auth import MAX_TAG_BYTES, Tag, TagError, digests_of, tag_key
 
 
 def read_heads(store, keys, keyring, head_bytes: int) -> tuple[list, list]:
@@ -106,10 +106,11 @@ class TagChecks:
         """Before they are decoded: the SHA-256 of each stored body (of ``layer``, or all)
         is the tag's digest for its record."""
         recs, view = reader.records, memoryview(buf)
-        for i in range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer):
-            a = int(recs["offset"][i])
-            got = hashlib.sha256(view[a:a + int(recs["stored_length"][i])]).digest()
-            if not hmac.compare_digest(got, t.bodies[i]):
+        which = range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer)
+        spans = [(int(recs["offset"][i]), int(recs["offset"][i]) + int(recs["stored_length"][i])) for i in which]
+        got = digests_of(spans, lambda a, b: hashlib.sha256(view[a:b]).digest())
+        for i, d in zip(which, got):
+            if not hmac.compare_digest(d, t.bodies[i]):
                 self.auth_failed(key, TagError(f"body {i} is not the one tagged", "forged"))
                 return False
         return True
