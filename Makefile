@@ -88,6 +88,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(MINILM_STAMP) c
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_store_auth.py
 	$(PY) benchmarks/bench_ttft.py
 	$(PY) benchmarks/bench_fidelity.py
 	$(PY) benchmarks/bench_rotation.py --explore  # three sources, all-MiniLM-L6-v2 among them
