@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""kvwire.store benchmark: the file store, one Redis server and a three-master Redis
-Cluster against raw redis-py and plain file I/O, in one run (issue 14).
+"""kvwire.store benchmark: the file store, one Redis server (plain and over TLS) and a
+three-master Redis Cluster against raw redis-py and plain file I/O, in one run.
 
     .venv/bin/python benchmarks/bench_store.py            # full run (a few minutes)
     .venv/bin/python benchmarks/bench_store.py --quick    # fewer repeats, smaller workload
 
-It starts its own redis-server processes on free loopback ports (tests/redisfix.py) and
-stops them. Sections:
+It starts its own redis-server processes on free loopback ports (tests/redisfix.py; the TLS
+one with certificates made by tests/redisfakes.py's openssl calls) and stops them. The TLS
+server is in sections 1 and 2 only. Sections:
 
 1. objects: put and get of one 256-token chunk of a Llama-3-8B-shaped bf16 cache (32
    layers x 8 KV heads x 128, K and V: 32 MiB) against raw redis-py SET/GET of the same
@@ -46,6 +47,7 @@ import kvwire  # noqa: E402
 from kvwire.cache.encoder import iter_buffers  # noqa: E402
 from kvwire.format.header import ModelIdentity  # noqa: E402
 from kvwire.store import KeySpace, KVStore, open_store  # noqa: E402
+from redisfakes import make_certs  # noqa: E402
 from redisfix import RedisCluster, RedisServer  # noqa: E402
 
 FP = bytes(range(32))
@@ -296,19 +298,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-store-") as tmp:
         single = RedisServer(os.path.join(tmp, "redis")).start()
         cluster = RedisCluster(os.path.join(tmp, "cluster")).start()
+        tls = RedisServer(os.path.join(tmp, "redis-tls"), tls=make_certs(os.path.join(tmp, "certs"))).start()
         try:
             raw = single.client()
             version = raw.info("server")["redis_version"]
             stores = {"file": open_store(f"file://{tmp}/store"), "redis": open_store(single.url),
                       "redis cluster (3 masters)": open_store(cluster.url)}
-            objects = bench_objects(stores, raw, tmp, repeat)
-            for s in stores.values():
+            with_tls = {**stores, "redis over TLS (rediss://)": open_store(tls.url)}  # objects and hits only
+            objects = bench_objects(with_tls, raw, tmp, repeat)
+            for s in with_tls.values():
                 for k in s.list("bench/") + s.list("kvw1/"):
                     s.delete(k)
             leftover = raw.keys("bench/*")
             if leftover:
                 raw.delete(*leftover)
-            hits = bench_hits(stores, max(repeat, 20))
+            hits = bench_hits(with_tls, max(repeat, 20))
             rng_seed = 1
             n_req = 60 if args.quick else 200
             workloads = {}
@@ -325,6 +329,7 @@ def main(argv=None):
                          if wl == "documents" else f"multi-turn chat ({6 if args.quick else 20} chats x 10 turns)")
                 workloads[title] = rows
         finally:
+            tls.stop()
             cluster.stop()
             single.stop()
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
