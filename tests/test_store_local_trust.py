@@ -93,6 +93,15 @@ def test_store28_a_directory_with_files_and_no_marker_is_refused(tmp_path):
     (d / ".kvwire-store").write_bytes(b"something else\n")  # a marker kvwire did not write
     with pytest.raises(StoreError, match="not a kvwire store marker"):
         LocalStore(d)
+    good = tmp_path / "good"
+    LocalStore(good)
+    for make in (lambda m: os.mkdir(m), lambda m: os.mkfifo(m), lambda m: os.symlink(good / ".kvwire-store", m)):
+        e = tmp_path / f"e{len(os.listdir(tmp_path))}"
+        e.mkdir()
+        (e / "x").write_bytes(b"x")
+        make(e / ".kvwire-store")  # a marker that is not a regular file is no marker
+        with pytest.raises(StoreError):
+            LocalStore(e)
 
 
 def test_store28_reading_commands_never_create_a_store(tmp_path, capsys):
@@ -168,18 +177,33 @@ def test_store34_eviction_and_gc_remove_only_kvwire_objects(tmp_path, outside, c
 
 
 def test_store34_eviction_checks_the_magic_right_before_unlinking(tmp_path):
-    """KVW-STORE-34: a kvwire object replaced by another file between the scan and the
-    unlink is left alone."""
+    """KVW-STORE-34: a kvwire object rewritten in place into another file of the same size
+    and times (so nothing but its bytes tells) is left alone by eviction."""
     s = LocalStore(tmp_path / "s")
     for i in range(3):
         s.put(key(i), obj(100))
-    scan = list(s._files(containers_only=True))  # what the eviction decided on
+    assert s.total_bytes == 3 * len(obj(100))  # scanned once: the store knows them as objects
     p = tmp_path / "s" / KEY_DIR / f"{0:064x}"
-    os.unlink(p)
-    p.write_bytes(b"no longer a kvwire object")
-    with s._dirs() as dirs:
-        assert not s._unlink_object(dirs, key(0)) and s._unlink_object(dirs, key(1))
-    assert p.read_bytes() == b"no longer a kvwire object" and len(scan) == 3
+    st = os.stat(p)
+    with open(p, "r+b") as f:
+        f.write(b"N" * st.st_size)  # same inode, same size: no longer a kvwire object
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    s.evict(0)
+    assert p.read_bytes() == b"N" * st.st_size
+    assert not (tmp_path / "s" / KEY_DIR / f"{1:064x}").exists()
+
+
+def test_store34_evicting_an_object_removes_its_tag(tmp_path):
+    """KVW-STORE-34: evicting object K removes its tag K.tag (an authenticated object's,
+    KVW-AUTH-3) with it; the tags count toward the total."""
+    from kvwire.store import auth
+
+    s = LocalStore(tmp_path / "s")
+    s.put(key(1), obj(100))
+    s.put(key(1) + auth.TAG_SUFFIX, auth.TAG_MAGIC + b"\0" * 40)
+    assert s.total_bytes == len(obj(100)) + len(auth.TAG_MAGIC) + 40
+    s.evict(0)
+    assert s.list() == [] and s.total_bytes == 0
 
 
 def test_store34_gc_removes_only_its_own_old_temporaries(tmp_path, outside):
@@ -216,12 +240,30 @@ def test_store34_cli_gc_touches_only_keys_that_parse(tmp_path, capsys):
 
 # -- KVW-STORE-29, 30: no escape ---------------------------------------------------------------
 
-@pytest.mark.parametrize("url", ["file:///tmp/a/../etc", "file:///tmp/a/%2E%2E/etc", "file://../etc",
+@pytest.mark.parametrize("url", ["file://{t}/a/../etc", "file://{t}/a/%2E%2E/etc", "file://../etc",
                                  "file://rel/../../x"])
-def test_store29_dotdot_is_refused(url):
-    """KVW-STORE-29: a '..' component, percent-encoded or not, is refused."""
+def test_store29_dotdot_is_refused(url, tmp_path, monkeypatch):
+    """KVW-STORE-29: a '..' component, percent-encoded or not, is refused (and nothing is
+    created, even relative to the working directory)."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")
     with pytest.raises(StoreError, match=r"'\.\.' component"):
-        open_store(url)
+        open_store(url.format(t=tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]
+
+
+def test_store29_a_root_replaced_by_a_link_is_not_followed(tmp_path, outside):
+    """KVW-STORE-29: the root is resolved once, when the store is opened; a link put in its
+    place afterwards is refused, never followed."""
+    s = LocalStore(tmp_path / "s")
+    s.put(key(1), obj())
+    os.rename(tmp_path / "s", tmp_path / "moved")
+    os.symlink(outside, tmp_path / "s")
+    before = snapshot(outside)
+    for op in (lambda: s.put(key(2), obj()), lambda: s.get(key(1)), lambda: s.evict(0)):
+        with pytest.raises(StoreError, match="cannot open the store directory"):
+            op()
+    assert snapshot(outside) == before
 
 
 def test_store29_a_symlinked_root_is_resolved_once(tmp_path):
@@ -261,14 +303,15 @@ def test_store30_a_planted_directory_link_is_never_followed(tmp_path, outside, w
 
 def test_store30_a_planted_file_link_is_never_followed(tmp_path, outside):
     """KVW-STORE-30: a link at an object's own name is a miss, is not deleted through, and
-    a put under that key does not write through it."""
+    a put under that key is a StoreError that writes nothing through it."""
     s = LocalStore(tmp_path / "s")
     s.put(key(1), obj())
     target = outside / f"{0:064x}"
     os.symlink(target, tmp_path / "s" / KEY_DIR / f"{0:064x}")
     before = snapshot(outside)
     assert s.get(key(0)) is None and not s.exists(key(0)) and s.delete(key(0)) is False
-    assert s.put(key(0), obj(50, b"n")) is False  # the name is taken (by the link): nothing written through it
+    with pytest.raises(StoreError, match="not a regular file"):
+        s.put(key(0), obj(50, b"n"))
     s.evict(0)
     assert snapshot(outside) == before and os.path.islink(tmp_path / "s" / KEY_DIR / f"{0:064x}")
 
@@ -398,8 +441,8 @@ def test_store_cli_init_and_gc_all_in_help():
     """The CLI documents init and --all."""
     out = subprocess.run([sys.executable, "-m", "kvwire", "store", "gc", "--help"], capture_output=True, text=True)
     assert "--all" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "kvwire", "store", "--help"], capture_output=True, text=True)
-    assert "init" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "kvwire", "store", "init", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--url" in out.stdout
 
 
 def test_store34_redis_gc_touches_only_keys_that_parse(tmp_path, capsys):

@@ -242,6 +242,9 @@ class LocalStore(Store):
         if st is not None and stat.S_ISREG(st.st_mode):
             self.count(puts=1, skipped=1)
             return False
+        if st is not None:  # a link or other file where the object should be (KVW-STORE-30)
+            raise StoreError(f"{self.url}: {key!r} is taken by something that is not a regular file (a symbolic "
+                             "link?); nothing was written")
         buffers = as_buffers(value)
         if self.max_bytes is not None and len(buffers) == 1 and buffers[0].nbytes > self.max_bytes:
             raise StoreError(f"object {key!r} of {buffers[0].nbytes} bytes exceeds the size cap of {self.max_bytes}")

@@ -160,7 +160,9 @@ class Dirs:
 
     def __init__(self, root: str):
         try:
-            self.root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC)
+            # the root was resolved once, when the store was opened (KVW-STORE-29): a link put in
+            # its place since is refused, never followed
+            self.root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC)
         except OSError as exc:
             raise StoreError(f"file://{root}: cannot open the store directory: {exc}") from exc
         self.fds: dict[str, int | None] = {"": self.root_fd}
