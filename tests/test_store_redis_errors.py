@@ -231,3 +231,12 @@ def test_store40_cli_prints_one_line_not_a_traceback(auth_server):
                 assert done.returncode == 2, done.stderr
                 assert "Traceback" not in done.stderr and done.stderr.startswith(f"kvwire store {cmd}: error: ")
                 assert_no_secret(done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("options", [{"timeout": float("nan")}, {"timeout": float("inf")},
+                                     {"connect_timeout": float("nan")}, {"timeout": 0}])
+def test_store38_timeout_options_are_positive_and_finite(options):
+    """KVW-STORE-38 (keyword options as the URL's): a timeout is a positive, finite number of
+    seconds; nan or inf would make a dead server a hang (KVW-STORE-25)."""
+    with pytest.raises(ValueError, match="positive, finite"):
+        open_store("redis://127.0.0.1:1/0", **options)

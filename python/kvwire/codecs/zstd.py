@@ -94,7 +94,7 @@ def decode_body(codec: str, stored, raw_length: int, out=None, *, checksum_requi
     if checksum_required and not params.has_checksum:
         raise CodecError("ZSTD_CHECKSUM_MISSING", f"zstd frame without a content checksum in a container of format "
                          f"1.{CHECKSUM_MINOR} or later", rule="KVW-CODEC-5")
-    if targets is not None and _frame_end(stored, raw_length) == memoryview(stored).nbytes:
+    if targets is not None and _frame_end(stored, raw_length, params.has_checksum) == memoryview(stored).nbytes:
         _decompress_into(stored, raw_length, targets)
         return out
     try:  # one-shot (or an unusual frame: left-over input and short frames are judged by libzstd here)
@@ -116,15 +116,15 @@ def decode_body(codec: str, stored, raw_length: int, out=None, *, checksum_requi
 _BLOCK_WALK = 4096  # decoded bytes per block assumed by the walk's bound (libzstd's block splitter stays above)
 
 
-def _frame_end(stored, raw_length: int) -> int | None:
-    """Where the zstd frame at the start of ``stored`` ends, from its block headers; None
-    when it is not found within ``raw_length / 4096 + 16`` blocks, more than an encoder
-    writes (the walk stays bounded; such frames take the one-shot path)."""
+def _frame_end(stored, raw_length: int, checksum: bool) -> int | None:
+    """Where the zstd frame at the start of ``stored`` ends, from its block headers (and the
+    4-byte content checksum when the frame header, already parsed by the caller, says it has
+    one); None when it is not found within ``raw_length / 4096 + 16`` blocks, more than an
+    encoder writes (the walk stays bounded; such frames take the one-shot path)."""
     mv = memoryview(stored).cast("B")
     n = mv.nbytes
     try:
         at = zstandard.frame_header_size(stored)
-        checksum = zstandard.get_frame_parameters(stored).has_checksum
     except zstandard.ZstdError:
         return None
     for _ in range(raw_length // _BLOCK_WALK + 16):

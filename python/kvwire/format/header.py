@@ -232,7 +232,8 @@ def _check_metadata(md: dict) -> None:
 
 
 # KVW-META-3: the keys of the reserved namespace that the specifications define (store.md KVW-IDENT-5)
-DEFINED_METADATA = frozenset({"kvwire.request_identity"})
+REQUEST_IDENTITY_KEY = "kvwire.request_identity"  # store.md KVW-IDENT-5
+DEFINED_METADATA = frozenset({REQUEST_IDENTITY_KEY})
 
 
 def check_writable(h: Header) -> None:

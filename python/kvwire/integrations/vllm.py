@@ -64,7 +64,7 @@ from ..model.compat import LocalModel, check_compatible
 from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, default_store_url, open_store
 from .vllm_identity import reason_kind, request_identity
-from ..store.auth import Keyring, check_url
+from ..store.auth import Keyring
 from .vllm_engine import engine_layout_of, kv_packing, layer_scales_of, model_config_json, platform_fp8
 from .vllm_pipeline import LayerPipeline, same_scales
 from .vllm_plan import (
@@ -105,7 +105,7 @@ class KVWireConnector(KVConnectorBase_V1):
             raise ValueError(f"store {url!r}: the kvwire connector needs a store its scheduler and workers share "
                              "(file://DIR, redis://, redis-cluster://); memory:// lives in one process and vLLM's "
                              "scheduler and workers are separate processes, so it could never hit")
-        options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith(("file:", "memory:")) else {}
+        options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith("file:") else {}
         self.stats_path = extra.get("stats_path")
         self.load_timeout = max(30.0, 4 * float(extra.get("timeout", 5.0)))
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -118,7 +118,6 @@ class KVWireConnector(KVConnectorBase_V1):
                                tp_size=pc.tensor_parallel_size, config=model_config_json(mc.model),
                                fingerprint=extra.get("model_fingerprint"))
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
-        check_url(url)  # KVW-AUTH-2: keys never come from a URL; auth_key_file or the environment
         self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
         self.store_url = self.kv.store.url  # redacted (KVW-STORE-39): it goes to the log and the stats file
         self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,

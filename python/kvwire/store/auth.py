@@ -159,8 +159,8 @@ def digests_of(spans, digest) -> list:
     enough to hash: hashlib releases the GIL for large buffers, and SHA-256 over every
     stored byte is what authentication costs (KVW-AUTH-5, 6)."""
     spans = list(spans)
-    threads = min(len(spans), os.cpu_count() or 1)
-    if threads < 2 or sum(b - a for a, b in spans) < PARALLEL_BYTES:
+    threads = os.cpu_count() or 1  # one pool, kept (native.pool)
+    if threads < 2 or len(spans) < 2 or sum(b - a for a, b in spans) < PARALLEL_BYTES:
         return [digest(a, b) for a, b in spans]
     return list(pool(threads).map(lambda ab: digest(*ab), spans))
 

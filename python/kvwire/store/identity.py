@@ -23,9 +23,11 @@ import stat
 import struct
 from dataclasses import dataclass
 
+from ..format.header import REQUEST_IDENTITY_KEY
+
 DOMAIN = b"kvwire request identity 1\x00"  # KVW-IDENT-2
 ADAPTER_DOMAIN = b"kvwire adapter 1\x00"  # KVW-IDENT-3
-METADATA_KEY = "kvwire.request_identity"  # KVW-IDENT-5
+METADATA_KEY = REQUEST_IDENTITY_KEY  # KVW-IDENT-5
 DIGEST_SIZE = 32
 MAX_FIELD = 1 << 16  # bytes of a salt, adapter name, fingerprint or item identifier
 MAX_ITEMS = 1 << 16
@@ -173,10 +175,11 @@ def adapter_files(directory: str) -> list:
 def adapter_fingerprint(directory) -> bytes:
     """SHA-256 of an adapter directory (KVW-IDENT-3): the domain, then per file of
     ``adapter_files`` its name (u32 length + UTF-8), size (u64) and bytes. Cached per path,
-    sizes, modification times and inodes. OSError or ValueError when it cannot be read."""
+    sizes, modification and change times and inodes (the change time, which no tool can set
+    back, catches weights rewritten in place with their old size and mtime). OSError or ValueError when it cannot be read."""
     directory = os.path.realpath(os.fspath(directory))
     files = adapter_files(directory)
-    stamp = (directory, tuple((n, st.st_size, st.st_mtime_ns, st.st_ino) for n, _, st in files))
+    stamp = (directory, tuple((n, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for n, _, st in files))
     if stamp in _ADAPTER_CACHE:
         return _ADAPTER_CACHE[stamp]
     h = hashlib.sha256(ADAPTER_DOMAIN)

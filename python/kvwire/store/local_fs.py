@@ -28,7 +28,7 @@ import time
 
 from ..format.container import MAGIC
 from .auth import TAG_MAGIC
-from .base import KEY_RE, SEGMENT, StoreError
+from .base import KEY_RE, MAX_KEY_LENGTH, SEGMENT, StoreError
 
 MARKER = ".kvwire-store"
 MARKER_MAX = 4096  # bytes of a marker read at most
@@ -375,7 +375,7 @@ def is_real_dir(name: str, dir_fd: int) -> bool:
 
 def key_of(rel: str, name: str) -> str | None:
     key = f"{rel}/{name}" if rel else name
-    return key if KEY_RE.fullmatch(key) and len(key) <= 1024 else None
+    return key if KEY_RE.fullmatch(key) and len(key) <= MAX_KEY_LENGTH else None
 
 
 __all__ = ["Dirs", "MARKER", "ObjectProbe", "scan_counts", "SHARED", "STALE_TEMP_SECONDS", "TEMP_PREFIX", "TEMP_RE", "check_owner", "check_root_path",

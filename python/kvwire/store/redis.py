@@ -23,6 +23,8 @@ within it, never a hang. ``kvwire.store.cluster`` routes the same commands per n
 
 from __future__ import annotations
 
+import math
+
 from .base import Store, StoreError, as_buffers, check_key, check_keys, resolve_range
 from .redis_conn import describe_failure, import_redis, tls_connection_class
 from .redis_url import RedisURL, parse_host, parse_redis_url
@@ -174,8 +176,8 @@ def range_reply(cmd, reply):
 
 
 def check_timeout(timeout) -> float:
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
     return float(timeout)
 
 
