@@ -265,7 +265,8 @@ def report(res) -> str:
                      f"{r['size'] / r['put'][0] / 1e6:.2f} | {r['size'] / r['get'][0] / 1e6:.2f} | "
                      f"{best_put / r['put'][0]:.2f}x | {best_get / r['get'][0]:.2f}x |")
     lines += ["", "Ratios are speed ratios against the faster of the two raw redis-py clients (its time / this "
-              "time): >= 1 is at least as fast as raw redis-py moving the same bytes.",
+              "time): >= 1 is at least as fast as raw redis-py moving the same bytes. The raw clients run in "
+              "plaintext, so the TLS rows' ratios include what TLS costs.",
               "", "## 2. The hit query (`leading`, every key a hit)", "",
               "| backend | prompt tokens | keys | median ms | min ms | round trips |", "|---|---:|---:|---:|---:|---:|"]
     for r in res["hits"]:

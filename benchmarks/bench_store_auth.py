@@ -39,6 +39,7 @@ def main(argv=None) -> None:
     cache_shape_args(ap)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--results", default=os.path.dirname(RESULTS), help="where store_auth.md goes")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     shape = (a.heads, a.tokens, a.head_dim)
@@ -83,8 +84,8 @@ def main(argv=None) -> None:
     out.append(f"| bound: SHA-256 of the bytes | 1 thread / worker threads | {cache.nbytes / one / 1e9:.2f} | "
                f"{cache.nbytes / many / 1e9:.2f} |")
     print("\n".join(out))
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(a.results, exist_ok=True)
+    with open(os.path.join(a.results, "store_auth.md"), "w") as f:
         f.write("\n".join(out) + "\n")
 
 

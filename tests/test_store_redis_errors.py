@@ -8,7 +8,6 @@ replies of the wrong type), for one server, a cluster and the ``kvwire store`` C
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,12 @@ from kvwire.store import StoreError, open_store
 from kvwire.store.redis_url import parse_redis_url, redact_url
 from kvwire.tools.cli import main
 from redisfakes import FakeServer
-from redisfix import RedisServer, SilentServer
+from redisfix import RedisServer, SilentServer, free_port
 
 TIMEOUT = 1.0
 PASSWORD = "pw-Zq81@x/K"  # with characters that must be percent-encoded in a URL
 QUOTED = "pw-Zq81%40x%2FK"
 SECRETS = (PASSWORD, QUOTED, "Zq81")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +91,7 @@ def test_store38_unknown_parameters_are_refused_naming_the_valid_ones():
     assert s.timeout == 3.0 and s.url == "redis://h:6379/0"
 
 
-def test_store38_timeout_in_the_url_applies(tmp_path):
+def test_store38_timeout_in_the_url_applies():
     """KVW-STORE-25/38: ?timeout= is the call timeout: a silent server fails within it."""
     with SilentServer() as silent:
         s = open_store(f"redis://127.0.0.1:{silent.port}/0?timeout=0.3")
@@ -153,7 +146,7 @@ def test_store38_any_url_parses_or_is_a_store_error(scheme, before, after, rest,
     assert "SeCrEt" not in shown
 
 
-def test_store39_the_password_is_in_no_output(auth_server, redis_server, caplog, capsys):
+def test_store39_the_password_is_in_no_output(auth_server, caplog, capsys):
     """KVW-STORE-39/40: failing and succeeding paths (connection refused, a wrong password, a
     missing one, a bad database, a server answering junk, a cluster, success): no exception
     text, traceback, log record, repr, url or info holds the password, and each failure is a
@@ -225,12 +218,11 @@ def test_store40_cli_prints_one_line_not_a_traceback(auth_server):
     with FakeServer("junk") as junk:
         for cmd, url in (("stats", f"redis://:{QUOTED}@127.0.0.1:{junk.port}/0"),
                          ("ls", f"redis://:{QUOTED}@127.0.0.1:{auth_server.port}/7000")):
-            if True:
-                done = subprocess.run([sys.executable, "-m", "kvwire", "store", cmd, "--url", url],
-                                      capture_output=True, text=True, timeout=60)
-                assert done.returncode == 2, done.stderr
-                assert "Traceback" not in done.stderr and done.stderr.startswith(f"kvwire store {cmd}: error: ")
-                assert_no_secret(done.stdout, done.stderr)
+            done = subprocess.run([sys.executable, "-m", "kvwire", "store", cmd, "--url", url],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 2, done.stderr
+            assert "Traceback" not in done.stderr and done.stderr.startswith(f"kvwire store {cmd}: error: ")
+            assert_no_secret(done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("options", [{"timeout": float("nan")}, {"timeout": float("inf")},
