@@ -266,3 +266,34 @@ def test_ident6_layerwise_load_binds_identity():
     assert LayerwiseLoad(kv, toks, space, identity=IMG_Y).tokens == 4
     assert LayerwiseLoad(kv, toks, space).tokens == 4
     assert LayerwiseLoad(kv, toks, space, identity=A).tokens == 0
+
+
+def test_ident7_vllm_request_mapping(tmp_path):
+    """KVW-IDENT-1, 7: a scheduler request (by vLLM's attribute names) maps to its identity:
+    an empty salt is none, the adapter is its name and the fingerprint of its directory, each
+    multimodal item its identifier and placeholder range; what cannot be bound faithfully
+    (prompt embeddings, a salt that is not text, unreadable adapter files, an item without an
+    identifier or range) gives no identity and a reason, whose kind is logged once."""
+    from types import SimpleNamespace as NS
+
+    from kvwire.integrations.vllm_identity import reason_kind, request_identity
+
+    a = tmp_path / "lora"
+    a.mkdir()
+    (a / "adapter_config.json").write_bytes(b'{"r": 8}')
+    (a / "adapter_model.safetensors").write_bytes(bytes(16))
+    img = NS(identifier="img-1", mm_position=NS(offset=5, length=2))
+    full = NS(prompt_embeds=None, cache_salt="tenant-a", lora_request=NS(lora_name="sql", lora_path=str(a)),
+              mm_features=[img])
+    got, why = request_identity(full)
+    assert why is None and got == RequestIdentity(b"tenant-a", Adapter("sql", adapter_fingerprint(a)),
+                                                   (MultimodalItem(b"img-1", 5, 2),))
+    assert request_identity(NS(cache_salt=""))[0] == RequestIdentity(None, None, ())  # no identity at all
+    bad = {"prompt embeddings": NS(prompt_embeds=[0.0]),
+           "cache_salt of type bytes": NS(cache_salt=b"x"),
+           "LoRA adapter files not readable": NS(lora_request=NS(lora_name="gone", lora_path=str(tmp_path / "no"))),
+           "a multimodal item without an identifier or placeholder range": NS(mm_features=[NS(identifier="",
+                                                                                             mm_position=img)])}
+    for kind, req in bad.items():
+        got, why = request_identity(req)
+        assert got is None and reason_kind(why) == kind, (kind, why)
