@@ -319,3 +319,21 @@ def test_auth5_digests_on_threads_are_the_same(monkeypatch):
     assert many.get_cache(TOKENS, SPACE).tokens == len(TOKENS)
     plant(many.store, 1, evil_object(1), bytes(many.store.get(tag_key(KEYS[1]))))  # the victim's tag kept
     assert served(many) == (C, C, C) and many.counts["auth_failures"] >= 1
+
+
+def test_auth6_body_count_and_garbage_tags(store):
+    """KVW-AUTH-6: a tag with a valid HMAC that lists one body fewer than the index is a
+    miss (checked before any body is used); KVW-AUTH-7: an object whose tag does not parse
+    is a miss but is kept (its writer may be between object and tag)."""
+    KVStore(store, auth=RING).put_cache(GOOD, TOKENS)
+    t = RING.open(KEYS[1], bytes(store.get(tag_key(KEYS[1]))))
+    prefix = pack_tag(Tag(t.key_id, t.header, t.index, t.bodies[:-1], b""))
+    short = prefix + hmac.new(RING.secrets["ops-2026"], tag_message(KEYS[1], prefix), "sha256").digest()
+    good1 = bytes(store.get(KEYS[1]))
+    plant(store, 1, good1, short)
+    kv = KVStore(store, auth=RING)
+    assert served(kv) == (C, C, C) and kv.counts["auth_failures"] >= 1
+    plant(store, 1, good1, b"\x89KVT\r\n\x1a\n" + b"\xff" * 40)
+    kv = KVStore(store, auth=RING)
+    assert served(kv) == (C, C, C) and kv.counts["auth_failures"] >= 1
+    assert store.get(KEYS[1]) == good1  # not deleted: a tag that does not parse proves nothing
