@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch: take the pinned CPU wheel first; a bare `torch` requirement would resolve to a CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'  # the test extra brings setuptools>=77: tests/test_wheel.py builds without isolation
+	$(PY) -m pip install -q -e '.[test,bench]'  # the test extra brings setuptools>=77: tests/package/test_wheel.py builds without isolation
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml
@@ -61,11 +61,11 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 	$(MAKE) docs
 	$(PY) -m pytest -q
 
-# Everything but the real-vLLM tests (tests/test_vllm_e2e.py, marker `vllm`): minutes faster.
+# Everything but the real-vLLM tests (tests/integrations/test_vllm_e2e.py, marker `vllm`): minutes faster.
 test-fast: $(STAMP) $(DOCS_STAMP) c
 	$(PY) -m pytest -q -m "not vllm"
 
-# `make test` includes a 60 s fuzz campaign (tests/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
+# `make test` includes a 60 s fuzz campaign (tests/conformance/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
 # The long campaign: atheris for FUZZ_SECONDS, then the hypothesis state machine; findings go to
 # conformance/fuzz/findings/ (conformance/README.md, "Fuzzing").
 FUZZ_SECONDS ?= 600
@@ -126,7 +126,7 @@ c: c-deps
 bench-c: $(STAMP) c
 	$(PY) benchmarks/bench_c.py
 
-# The long libFuzzer campaign over libkvwire (make test runs a 60 s one, tests/test_c_impl.py):
+# The long libFuzzer campaign over libkvwire (make test runs a 60 s one, tests/c/test_c_impl.py):
 # seeded with every gold vector (.kvw, .kvws), memory capped; findings go to conformance/fuzz/findings/c/.
 FUZZ_C_SECONDS ?= 600
 FUZZ_C_DIR := build/c-fuzz
@@ -152,7 +152,7 @@ clean:
 
 # A wheel with the conformance kit inside (setup.py's build step copies conformance/vectors and
 # PROTOCOL.md into it), into dist/. build/lib is cleared first so no module of an earlier build slips
-# in. tests/test_wheel.py builds one from a copy of the tree and runs `kvwire conformance run` and
+# in. tests/package/test_wheel.py builds one from a copy of the tree and runs `kvwire conformance run` and
 # `kvwire demo` from a fresh venv holding only it (about a minute; part of make test and test-fast).
 .PHONY: wheel
 wheel: $(STAMP)

@@ -248,8 +248,8 @@ ADDITION = {
         "KVW-CSPEC-1": "The bit without codec specs is invalid/evol3-required-feature of the frozen 1.0 set; a "
                        "field without the bit is invisible to readers (KVW-EVOL-2), so no vector can show it.",
         "KVW-CSPEC-2": "4097 codec specs: a header of about 100 KiB for one LIMIT_EXCEEDED the 1.0 set already "
-                       "covers for vectors (KVW-LIM-1); tests/test_codecs_container.py covers it.",
-        "KVW-CSPEC-8": "Needs the sparse feature (spec/sparse.md); tests/test_codecs_container.py covers it.",
+                       "covers for vectors (KVW-LIM-1); tests/codecs/test_codecs_container.py covers it.",
+        "KVW-CSPEC-8": "Needs the sparse feature (spec/sparse.md); tests/codecs/test_codecs_container.py covers it.",
         "KVW-BPZ-4": "Writer SHOULD (raw when not smaller); valid vectors show only that raw records coexist.",
         "KVW-INT-6": "Writer-side (non-finite input refused): no container can carry it.",
     },

@@ -196,10 +196,10 @@ ADDITION = {
     "rules_without_vector": {
         "KVW-ID-2..9": "Digest definitions: a container carries the digests, not the inputs. valid/xm-prefix-chain "
                        "pins scheme-1 digests of a toy model whose inputs are in conformance/add_crossmodel.py; "
-                       "tests/test_identity.py checks every definition against an independent computation.",
+                       "tests/model/test_identity.py checks every definition against an independent computation.",
         "KVW-XM-*": "The compatibility check is receiver behaviour, not a container property "
-                    "(tests/test_crossmodel_core.py).",
-        "KVW-PREFIX-6": "Covered tokens are a lookup over headers (tests/test_prefix.py).",
+                    "(tests/model/test_crossmodel_core.py).",
+        "KVW-PREFIX-6": "Covered tokens are a lookup over headers (tests/model/test_prefix.py).",
         "KVW-MAP-7": "Receiver behaviour.",
     },
 }

@@ -129,11 +129,11 @@ ADDITION = {
             "KVW-CSPEC-10 / KVW-EVOL-10, segments KVW-STREAM-7..10",
     "rules_without_vector": {
         "KVW-HDR-21": "The FlatBuffers check order pins which of FB_BOUNDS, FB_ALIGNMENT, LIMIT_EXCEEDED a reader "
-                      "reports; the frozen fb-* vectors each break one check (tests/test_rules.py covers the order).",
+                      "reports; the frozen fb-* vectors each break one check (tests/format/test_rules.py covers the order).",
         "KVW-EVOL-11": "Binds revisions of the spec, not containers.",
         "KVW-CODEC-2 (codes)": "Clarified text only: invalid/codec2-frame-cut and codec2-declares-more-than-held "
                                "already want DECODE_FAILED.",
-        "KVW-PREFIX-7 (over the limit)": "A chain over 2^23 bytes needs a header over 8 MiB; tests/test_rules.py "
+        "KVW-PREFIX-7 (over the limit)": "A chain over 2^23 bytes needs a header over 8 MiB; tests/format/test_rules.py "
                                          "covers LIMIT_EXCEEDED.",
     },
 }

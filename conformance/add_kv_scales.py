@@ -223,15 +223,15 @@ ADDITION = {
     "rules_without_vector": {
         "KVW-SCALE-7": "Binds readers and engines that hand over or load stored elements (scales handed over, "
                        "other scales converted or refused): behaviour of a connector, not of a container "
-                       "(tests/test_kv_scales.py covers the reference's hand-over).",
+                       "(tests/format/test_kv_scales.py covers the reference's hand-over).",
         "KVW-SCALE-8": "Binds writers of layer ranges and receivers of layer maps; a container of a layer range is "
-                       "an ordinary container (tests/test_kv_scales.py covers Header.layer_slice).",
+                       "an ordinary container (tests/format/test_kv_scales.py covers Header.layer_slice).",
         "KVW-SCALE-1 (writers)": "A writer never writes field 20 without bit 3: writer-only; the reference refuses it "
-                                 "(tests/test_kv_scales.py).",
+                                 "(tests/format/test_kv_scales.py).",
         "KVW-SCALE-6 (values)": "The canonical tensors are the stored elements, so no twin holds values; "
-                                "tests/test_kv_scales.py checks KVCache.dequantize against ml_dtypes.",
+                                "tests/format/test_kv_scales.py checks KVCache.dequantize against ml_dtypes.",
         "KVW-EVOL-3 (1.0 readers)": "A 1.0 reader rejects every vector of this set that sets bit 3 with "
                                     "UNSUPPORTED_FEATURE; the vectors state what a 1.1 reader reports "
-                                    "(tests/test_kv_scales.py shows the 1.0 view).",
+                                    "(tests/format/test_kv_scales.py shows the 1.0 view).",
     },
 }

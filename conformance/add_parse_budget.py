@@ -8,7 +8,7 @@ separately materialises the object once per reference. ``dag_header(kind, shared
 builds the same header with a separate copy per reference: that twin is accepted (the
 tests check it), so each vector breaks the budget and nothing else.
 
-The builders are also what tests/test_verifier.py uses to reproduce the attack at full
+The builders are also what tests/format/test_verifier.py uses to reproduce the attack at full
 size (a 1.1 MB header that cost 4 GiB before the budget).
 """
 
@@ -179,10 +179,10 @@ ADDITION = {
     },
     "rules_without_vector": {
         "KVW-HDR-8": "Over 65,536 table visits fires before the parse budget only in a header of 254 KB or more "
-                     "(KVW-HDR-8 rationale), too large for the vector folder; tests/test_verifier.py covers it "
+                     "(KVW-HDR-8 rationale), too large for the vector folder; tests/format/test_verifier.py covers it "
                      "with a padded header.",
         "KVW-LIM-7 (RopeParams exemption)": "A valid vector would need hundreds of layers' RoPE factors in its JSON "
-                                            "twin (over 600 KB); tests/test_verifier.py checks that the reference "
+                                            "twin (over 600 KB); tests/format/test_verifier.py checks that the reference "
                                             "writer's 4096 layer specs sharing one RopeParams table are accepted.",
     },
 }

@@ -255,9 +255,9 @@ ADDITION = {
             "(KVW-ROT-1..7)",
     "rules_without_vector": {
         "KVW-ROT-7": "Writer-only: which chunks a writer stores losslessly is its choice within the rule; "
-                     "tests/test_rotation.py checks the reference writer near the extremes.",
+                     "tests/codecs/test_rotation.py checks the reference writer near the extremes.",
         "KVW-ROT-1 (writers)": "A writer never writes fields 11-13 without bit 4: writer-only; the reference "
-                               "refuses it (tests/test_rotation.py).",
+                               "refuses it (tests/codecs/test_rotation.py).",
         "KVW-EVOL-3 (1.0 and 1.1 readers)": "A reader without bit 4 rejects every vector of this set that sets it "
                                             "with UNSUPPORTED_FEATURE; the vectors state what a 1.2 reader reports.",
     },

@@ -204,8 +204,8 @@ ADDITION = {
     "spec": "spec/sparse.md (feature bit sparse, header field 19, table SparseInfo, component POSITIONS)",
     "rules_without_vector": {
         "KVW-SPARSE-2": "A kind that cannot be sparse (state) needs feature state_layers and a valid state layer "
-                        "as well; tests/test_sparse.py checks the rule (SPARSE_INVALID).",
-        "KVW-SPARSE-12": "Writer obligation on key rotation: tests/test_sparse_hf.py checks that a model continuing "
+                        "as well; tests/model/test_sparse.py checks the rule (SPARSE_INVALID).",
+        "KVW-SPARSE-12": "Writer obligation on key rotation: tests/adapters/test_sparse_hf.py checks that a model continuing "
                          "from a loaded sparse cache matches attention over exactly the retained tokens.",
     },
 }

@@ -55,7 +55,7 @@ ADDITION = {
     "rules_without_vector": {
         "KVW-LIM-8": "Its second case (a reader that allocates for the whole container once the header arrives "
                      "checks the header-implied decoded size against its KVW-LIM-5 limit) concerns how a reader "
-                     "allocates, not which containers it accepts; tests/test_stream_hostile.py covers it for "
+                     "allocates, not which containers it accepts; tests/stream/test_stream_hostile.py covers it for "
                      "kvwire.stream.Reader.",
     },
 }

@@ -152,7 +152,7 @@ ADDITION = {
     "spec": "spec/codecs.md revision 1.3: section 9, feature bit 5 turboquant, Rotation and Codebook code 2 "
             "(KVW-TQ-1..5)",
     "rules_without_vector": {
-        "KVW-TQ-5": "Writer-only: which chunks a writer stores losslessly; tests/test_turboquant.py checks the "
+        "KVW-TQ-5": "Writer-only: which chunks a writer stores losslessly; tests/codecs/test_turboquant.py checks the "
                     "reference writer.",
         "KVW-EVOL-3 (1.2 readers)": "A 1.2 reader rejects every vector of this set (ENUM_OUT_OF_RANGE for the codes "
                                     "outside its registries, or UNSUPPORTED_FEATURE for bit 5); the vectors state "

@@ -152,9 +152,9 @@ ADDITION = {
             "error code ZSTD_CHECKSUM_MISSING",
     "rules_without_vector": {
         "KVW-CODEC-4": "Writer-only: every frame a writer writes carries a content checksum; the valid vectors of "
-                       "this set show it, and tests/test_zstd_agreement.py checks both writers.",
+                       "this set show it, and tests/format/test_zstd_agreement.py checks both writers.",
         "Section 19 (one meaning)": "A property of two readers, not of one container: "
-                                    "conformance/fuzz/zstd_agreement.py and tests/test_zstd_agreement.py decode "
+                                    "conformance/fuzz/zstd_agreement.py and tests/format/test_zstd_agreement.py decode "
                                     "100,000 mutated bodies with libkvwire and the numpy path.",
     },
 }

@@ -10,6 +10,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import forge` from any test module
+# Tests are grouped by package (tests/format, tests/store, ...); a few share helpers by module name across
+# folders (`from test_roundtrip import mixed_cache`): every folder is importable whatever pytest collects first.
+for _d in sorted(os.scandir(os.path.dirname(__file__)), key=lambda e: e.name):
+    if _d.is_dir() and not _d.name.startswith((".", "_")):
+        sys.path.append(_d.path)
 
 import forge  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""One real vLLM engine run for tests/test_vllm_e2e.py, in the vLLM venv (.venv-vllm).
+"""One real vLLM engine run for tests/integrations/test_vllm_e2e.py, in the vLLM venv (.venv-vllm).
 
     .venv-vllm/bin/python tests/vllm_driver.py SPEC.json OUT.json
 

@@ -1,5 +1,5 @@
 """vLLM's own scheduler ``Request`` objects through the connector's scheduler side, for
-tests/test_vllm_identity.py, in the vLLM venv (.venv-vllm), without starting an engine:
+tests/integrations/test_vllm_identity.py, in the vLLM venv (.venv-vllm), without starting an engine:
 
     .venv-vllm/bin/python tests/vllm_requests_driver.py MODEL STORE_DIR OUT.json
 

@@ -2,7 +2,7 @@
 
 flatc writes absolute imports (``from kvwire.format.fbs.X import X``); kvwire is vendored under
 other package names, so they are rewritten to relative imports. Output is deterministic:
-``tests/test_schemas.py`` regenerates into a temporary folder and compares byte for byte.
+``tests/format/test_schemas.py`` regenerates into a temporary folder and compares byte for byte.
 
 Usage: python tools/gen_schemas.py [OUT_DIR]   (default: python/kvwire/format/fbs)
 """

@@ -1,6 +1,6 @@
 /*
  * test_unit: libkvwire's own tests, no framework, no Python. Why: the conformance kit
- * (tests/test_c_impl.py) drives the CLI over the gold vectors; this program exercises the
+ * (tests/c/test_c_impl.py) drives the CLI over the gold vectors; this program exercises the
  * public API directly -- the pieces a vendoring project calls -- and the failure paths the
  * vectors cannot reach (API misuse, every truncation of a container, a byte-at-a-time feed).
  *
@@ -1062,7 +1062,7 @@ static void test_rotation(tstate *t) {
     }
     CHECK(t, differ == 0, "rotation: AVX2 dequantization / bf16 rounding differ in %d values", differ);
     /* Header fields: rotation 2 is out of its registry (with bit 4; without it fields 11-13
-     * are not read: tests/test_c_rotation.py builds those headers). */
+     * are not read: tests/c/test_c_rotation.py builds those headers). */
     kvw_layer_spec ls;
     kvw_layer_spec_init(&ls);
     ls.num_kv_heads = 1, ls.head_dim_k = 64, ls.head_dim_v = 64;

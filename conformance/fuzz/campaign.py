@@ -19,7 +19,7 @@ whole budget goes to the state machine.
 goes to conformance/vectors/<version>/regressions/, the append-only regressions manifest
 gets an entry with the outcome the fixed reference codec gives (rejected: any registry
 code passes; accepted: a JSON twin), and the line to pin it in
-tests/test_conformance.py is printed.
+tests/conformance/test_conformance.py is printed.
 """
 
 from __future__ import annotations
@@ -185,8 +185,8 @@ def promote(finding: Path, name: str, *, version_dir: Path) -> dict:
     (reg_dir / f"{name}.kvw").write_bytes(data)
     manifest["vectors"].append(entry)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    pin = f"{version_dir.name}/{full}"  # the key tests/test_conformance.py pins: <version>/<name>
-    print(f"added {full}; pin it in tests/test_conformance.py REGRESSIONS_PINNED:\n    {pin!r}: {sha!r},")
+    pin = f"{version_dir.name}/{full}"  # the key tests/conformance/test_conformance.py pins: <version>/<name>
+    print(f"added {full}; pin it in tests/conformance/test_conformance.py REGRESSIONS_PINNED:\n    {pin!r}: {sha!r},")
     return entry
 
 

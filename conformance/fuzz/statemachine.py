@@ -7,7 +7,7 @@ frame, in the file-form index or in both at once (``mutators.edit_record``: chec
 index and end frame digest recomputed, so the record and layout checks run, not only the
 checksums), edits of header bytes, and "reseal" steps that recompute every checksum
 (harness.reseal). After every step the reader contract (harness.check, memory oracle
-included) must hold. Used by tests/test_fuzz_statemachine.py (a bounded run in
+included) must hold. Used by tests/conformance/test_fuzz_statemachine.py (a bounded run in
 ``make test``) and by campaign.py (``make fuzz``).
 """
 

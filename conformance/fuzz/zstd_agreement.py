@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     one = counts.outcomes["numpy_only"] + counts.outcomes["native_only"]
     print(f"RESULT: {'FAIL' if bad or one else 'PASS'}: {bad} containers decoded to different tensors; "
           f"{one} accepted by one path only", file=sys.stderr)
-    return 1 if bad or one else 0  # the same verdict as tests/test_zstd_agreement.py
+    return 1 if bad or one else 0  # the same verdict as tests/format/test_zstd_agreement.py
 
 
 if __name__ == "__main__":

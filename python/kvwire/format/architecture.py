@@ -53,7 +53,7 @@ class RopeParams:
 
 
 # (attribute, field id, struct code, enum registry or None); defaults are the dataclass's,
-# which equal the schema's (tests/test_schemas.py checks against the generated accessors).
+# which equal the schema's (tests/format/test_schemas.py checks against the generated accessors).
 _ROPE_SCALARS = [
     ("rope_type", 0, "B", R.ROPE_TYPES), ("theta", 1, "d", None), ("rotary_dim", 2, "I", None),
     ("interleaved", 3, "?", None), ("factor", 4, "d", None), ("original_max_position_embeddings", 5, "I", None),

@@ -4,7 +4,7 @@ and V in its KV cache view, which layout the buffers are in, the fp8 format and 
 Why apart: these are the facts that change between vLLM releases, backends and kernels, and
 each is verified, never assumed: a wrong guess would store bytes that round-trip through
 vLLM but are not the model's K and V for any other reader. The tests compare what the
-connector stores with transformers' own K and V (tests/test_vllm_e2e.py).
+connector stores with transformers' own K and V (tests/integrations/test_vllm_e2e.py).
 
 - K/V packing of the per-layer [blocks, heads, block_size, 2 * head_dim] view (0.29-0.32):
   "channels" (K = C[:head_dim], V = C[head_dim:] of each token row: flash_attn.py,
