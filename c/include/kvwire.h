@@ -32,83 +32,90 @@ extern "C" {
 #define KVW_FORMAT_MINOR 4 /* the newest revision this library implements (1.4) */
 
 /* ------------------------------------------------------------------------------------ */
-/* Error codes: spec/kvwire-v1.md section 18, in registry (alphabetical) order.           */
+/* Error codes: spec/kvwire-v1.md section 18.                                              */
 /* ------------------------------------------------------------------------------------ */
+/* The numbers are ABI (libkvwire.so.0, and callers that store or send them): every
+ * enumerator carries its number explicitly. Append only, never renumber or reuse: a new
+ * registry code takes the next number below 1000 (KVW_FORMAT_CODE_COUNT moves up by one),
+ * a new non-format code the next number from 1000 on; a retired code keeps its number
+ * reserved forever (its enumerator stays, documented as retired). Codes 1..65 are the
+ * registry of revisions 1.0-1.4 in alphabetical order; later ones are in order of
+ * addition. c/tests/error_codes.txt pins every number (tests/c/test_c_abi.py). */
 typedef enum kvw_code {
     KVW_OK = 0,
-    KVW_ARCH_INVALID,
-    KVW_BAD_ALIGNMENT,
-    KVW_BAD_CHUNK_TOKENS,
-    KVW_BAD_FRAME_MARKER,
-    KVW_BAD_MAGIC,
-    KVW_BAD_OFFSET,
-    KVW_BODY_CHECKSUM,
-    KVW_BODY_OUT_OF_BOUNDS,
-    KVW_CHUNK_BOUNDARY,
-    KVW_CHUNK_DUPLICATE,
-    KVW_CHUNK_MISSING,
-    KVW_CODEC_SPEC_INVALID,
-    KVW_CODEC_SPEC_MISMATCH,
-    KVW_COMPONENT_INVALID,
-    KVW_DECODED_SIZE_LIMIT,
-    KVW_DECODED_SIZE_MISMATCH,
-    KVW_DECODE_FAILED,
-    KVW_ENUM_OUT_OF_RANGE,
-    KVW_FB_ALIGNMENT,
-    KVW_FB_BOUNDS,
-    KVW_FB_IDENTIFIER,
-    KVW_FB_REQUIRED,
-    KVW_FB_STRING,
-    KVW_FB_TOO_COMPLEX,
-    KVW_FB_VTABLE,
-    KVW_FINGERPRINT_INVALID,
-    KVW_FORMAT_ERROR,
-    KVW_FRAME_CHECKSUM,
-    KVW_HEADER_CHECKSUM,
-    KVW_HEADER_TOO_LARGE,
-    KVW_HEAD_RANGE,
-    KVW_INDEX_CHECKSUM,
-    KVW_INDEX_MISMATCH,
-    KVW_INDEX_POSITION,
-    KVW_INDEX_TOO_LARGE,
-    KVW_KV_SCALES_INVALID,
-    KVW_LAYER_MAP_INVALID,
-    KVW_LAYER_OUT_OF_RANGE,
-    KVW_LENGTH_MISMATCH,
-    KVW_LIMIT_EXCEEDED,
-    KVW_METADATA_KEY_DUPLICATE,
-    KVW_METADATA_KEY_INVALID,
-    KVW_METADATA_VALUE_INVALID,
-    KVW_MISSING_END,
-    KVW_NONZERO_PADDING,
-    KVW_POSITIONS_CODEC,
-    KVW_POSITIONS_ENCODING,
-    KVW_POSITIONS_ORDER,
-    KVW_PREAMBLE_CHECKSUM,
-    KVW_PREFIX_INVALID,
-    KVW_RAW_LENGTH_MISMATCH,
-    KVW_RESERVED_NONZERO,
-    KVW_SEGMENT_MISMATCH,
-    KVW_SEGMENT_ORDER,
-    KVW_SPARSE_INVALID,
-    KVW_STATE_INVALID,
-    KVW_TEXT_MODE_MANGLED,
-    KVW_TOKEN_RANGE_INVALID,
-    KVW_TRAILING_BYTES,
-    KVW_TRUNCATED,
-    KVW_UNKNOWN_CODEC,
-    KVW_UNSUPPORTED_FEATURE,
-    KVW_UNSUPPORTED_VERSION,
-    KVW_VERSION_MISMATCH,
-    KVW_ZSTD_CHECKSUM_MISSING, /* revision 1.4, KVW-CODEC-5 */
-    KVW_FORMAT_CODE_COUNT, /* one past the last registry code */
+    KVW_ARCH_INVALID = 1,
+    KVW_BAD_ALIGNMENT = 2,
+    KVW_BAD_CHUNK_TOKENS = 3,
+    KVW_BAD_FRAME_MARKER = 4,
+    KVW_BAD_MAGIC = 5,
+    KVW_BAD_OFFSET = 6,
+    KVW_BODY_CHECKSUM = 7,
+    KVW_BODY_OUT_OF_BOUNDS = 8,
+    KVW_CHUNK_BOUNDARY = 9,
+    KVW_CHUNK_DUPLICATE = 10,
+    KVW_CHUNK_MISSING = 11,
+    KVW_CODEC_SPEC_INVALID = 12,
+    KVW_CODEC_SPEC_MISMATCH = 13,
+    KVW_COMPONENT_INVALID = 14,
+    KVW_DECODED_SIZE_LIMIT = 15,
+    KVW_DECODED_SIZE_MISMATCH = 16,
+    KVW_DECODE_FAILED = 17,
+    KVW_ENUM_OUT_OF_RANGE = 18,
+    KVW_FB_ALIGNMENT = 19,
+    KVW_FB_BOUNDS = 20,
+    KVW_FB_IDENTIFIER = 21,
+    KVW_FB_REQUIRED = 22,
+    KVW_FB_STRING = 23,
+    KVW_FB_TOO_COMPLEX = 24,
+    KVW_FB_VTABLE = 25,
+    KVW_FINGERPRINT_INVALID = 26,
+    KVW_FORMAT_ERROR = 27,
+    KVW_FRAME_CHECKSUM = 28,
+    KVW_HEADER_CHECKSUM = 29,
+    KVW_HEADER_TOO_LARGE = 30,
+    KVW_HEAD_RANGE = 31,
+    KVW_INDEX_CHECKSUM = 32,
+    KVW_INDEX_MISMATCH = 33,
+    KVW_INDEX_POSITION = 34,
+    KVW_INDEX_TOO_LARGE = 35,
+    KVW_KV_SCALES_INVALID = 36,
+    KVW_LAYER_MAP_INVALID = 37,
+    KVW_LAYER_OUT_OF_RANGE = 38,
+    KVW_LENGTH_MISMATCH = 39,
+    KVW_LIMIT_EXCEEDED = 40,
+    KVW_METADATA_KEY_DUPLICATE = 41,
+    KVW_METADATA_KEY_INVALID = 42,
+    KVW_METADATA_VALUE_INVALID = 43,
+    KVW_MISSING_END = 44,
+    KVW_NONZERO_PADDING = 45,
+    KVW_POSITIONS_CODEC = 46,
+    KVW_POSITIONS_ENCODING = 47,
+    KVW_POSITIONS_ORDER = 48,
+    KVW_PREAMBLE_CHECKSUM = 49,
+    KVW_PREFIX_INVALID = 50,
+    KVW_RAW_LENGTH_MISMATCH = 51,
+    KVW_RESERVED_NONZERO = 52,
+    KVW_SEGMENT_MISMATCH = 53,
+    KVW_SEGMENT_ORDER = 54,
+    KVW_SPARSE_INVALID = 55,
+    KVW_STATE_INVALID = 56,
+    KVW_TEXT_MODE_MANGLED = 57,
+    KVW_TOKEN_RANGE_INVALID = 58,
+    KVW_TRAILING_BYTES = 59,
+    KVW_TRUNCATED = 60,
+    KVW_UNKNOWN_CODEC = 61,
+    KVW_UNSUPPORTED_FEATURE = 62,
+    KVW_UNSUPPORTED_VERSION = 63,
+    KVW_VERSION_MISMATCH = 64,
+    KVW_ZSTD_CHECKSUM_MISSING = 65, /* revision 1.4, KVW-CODEC-5 */
+    KVW_FORMAT_CODE_COUNT = 66, /* one past the last registry code (grows when one is added) */
 
     /* Not format errors (never reported for a container's content). */
     KVW_ERR_INVALID_ARGUMENT = 1000, /* API misuse: the message names the valid choices */
-    KVW_ERR_NO_MEMORY,
-    KVW_ERR_IO,
-    KVW_ERR_UNSUPPORTED, /* a valid request this library does not do (said in the message) */
-    KVW_ERR_STATE        /* a call in the wrong state (e.g. add a chunk after finish) */
+    KVW_ERR_NO_MEMORY = 1001,
+    KVW_ERR_IO = 1002,
+    KVW_ERR_UNSUPPORTED = 1003, /* a valid request this library does not do (said in the message) */
+    KVW_ERR_STATE = 1004, /* a call in the wrong state (e.g. add a chunk after finish) */
 } kvw_code;
 
 typedef struct kvw_error {
@@ -481,12 +488,12 @@ kvw_code kvw_validate(kvw_reader *r, kvw_error *err);
 /* ------------------------------------------------------------------------------------ */
 typedef enum kvw_event_type {
     KVW_EVENT_NEED_DATA = 0, /* feed more bytes (ev.needed: total bytes it wants, if known) */
-    KVW_EVENT_HEADER,        /* ev.header valid until the decoder is freed or reset */
-    KVW_EVENT_CHUNK,         /* ev.record, ev.body (stored bytes, checksum verified) and,
+    KVW_EVENT_HEADER = 1,    /* ev.header valid until the decoder is freed or reset */
+    KVW_EVENT_CHUNK = 2,     /* ev.record, ev.body (stored bytes, checksum verified) and,
                                 when decode_bodies is set, ev.data (raw_length decoded) */
-    KVW_EVENT_END,           /* the container is complete (ev.form); for concatenated
+    KVW_EVENT_END = 3,       /* the container is complete (ev.form); for concatenated
                                 streams the next kvw_next starts the next container */
-    KVW_EVENT_EOF            /* kvw_decoder_finish was called and every container ended */
+    KVW_EVENT_EOF = 4        /* kvw_decoder_finish was called and every container ended */
 } kvw_event_type;
 
 typedef struct kvw_event {
