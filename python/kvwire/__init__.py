@@ -22,7 +22,7 @@ under another name.
 from .cache.kvcache import KVCache
 from .cache.decoder import ChunkEvent, EndEvent, HeaderEvent, StreamDecoder
 from .format.errors import (
-    ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
+    ChecksumError, CodecError, Error, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
     SchemaError, TruncatedError, VersionError,
 )
 from . import layouts
@@ -46,7 +46,7 @@ from .model import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, K
 from .codecs.policy import Plan, plan  # after the submodule import, kvwire.plan is the function
 
 __all__ = [
-    "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "EngineLayout", "FeatureError",
+    "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "Error", "EngineLayout", "FeatureError",
     "FormatError", "Header",
     "HeaderError", "KVCache", "KVScale", "LayerMapEntry", "LayerSpec", "LayoutError", "LimitError", "MagicError",
     "ModelIdentity", "Producer", "Reader", "RopeParams", "SchemaError", "SparseInfo", "SparseKVCache", "TokenRange", "TruncatedError",

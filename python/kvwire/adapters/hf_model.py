@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..cache.tensors import dtype_name
 from ..format.header import Architecture, LayerSpec, ModelIdentity, RopeParams
+from ..format.errors import Error
 
 FRAMEWORK = "transformers"
 
@@ -29,8 +30,10 @@ _MLA = frozenset({"deepseek_v2", "deepseek_v3"})
 _ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3"})
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(Error, ValueError):
     """The model's cache has a structure kvwire cannot describe (the message names it)."""
+
+    code = "UNSUPPORTED_MODEL"
 
 
 def _text_config(model_or_config):

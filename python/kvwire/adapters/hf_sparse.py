@@ -19,14 +19,17 @@ import numpy as np
 
 from ..cache.kvcache import KVCache
 from ..format.header import Header
+from ..format.errors import Error
 from ..cache.sparse import SparseKVCache
 from ..format.sparse import layer_heads
 from ..cache.tensors import as_numpy
 from . import hf
 
 
-class SparseLoadError(ValueError):
+class SparseLoadError(Error, ValueError):
     """The sparse cache cannot be represented in the target engine's cache."""
+
+    code = "SPARSE_LOAD_FAILED"
 
 
 class HFSparse(NamedTuple):

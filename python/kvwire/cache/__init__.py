@@ -2,11 +2,12 @@
 
 - ``kvcache``: ``KVCache``, a dense cache in the standard layout (state layers included);
 - ``sparse``: ``SparseKVCache``, per-(layer, head) retained tokens (spec/sparse.md);
-- ``encoder``: the sans-IO ``Encoder`` and ``iter_buffers``/``encode``, one encoder for
+- ``encoder``: the sans-IO ``Encoder`` and ``iter_buffers``/``encode_bytes``, one encoder for
   dense, state and sparse caches through the header's chunk plan;
 - ``reader``: ``open``/``load``/``probe`` and ``Reader``, verified zero-copy access to a
   container in memory or memory-mapped;
 - ``decoder``: ``StreamDecoder``, incremental decoding of bytes as they arrive;
-- ``files``: atomic file writes with ``writev``;
+- ``files``: ``encode``, ``save`` and ``load`` with typed keywords, atomic file writes with
+  ``writev``;
 - ``tensors``: numpy/torch views without copies; ``cuda``: decoding onto a CUDA device.
 """

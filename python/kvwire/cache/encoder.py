@@ -1,12 +1,12 @@
-"""Encoding: a sans-IO ``Encoder`` that emits buffers, and ``iter_buffers``/``encode`` over it.
+"""Encoding: a sans-IO ``Encoder`` that emits buffers, and ``iter_buffers``/``encode_bytes`` over it.
 
 The encoder never concatenates tensor bytes: raw bodies are emitted as memoryviews of
 the caller's arrays (one per head, since a token slice of a [heads, tokens, dim] layer
 is contiguous per head), so ``writev``/``sendmsg`` can send a cache without a copy.
 Dense, state and sparse chunks go through the one ``Encoder``: the header's chunk plan
 (``format.chunks.chunk_plan``) says which chunks exist, and a cache says what each
-holds (``chunk_arrays``). ``encode`` joins the buffers into ``bytes``; writing files
-is ``kvwire.cache.files``.
+holds (``chunk_arrays``). ``encode_bytes`` joins the buffers into ``bytes`` (the public
+``kvwire.encode``, with typed keywords, is in ``kvwire.cache.files``, as is writing files).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class Encoder:
 def body_pieces(u: np.ndarray) -> list:
     """The raw body of a [heads, tokens, dim] integer view as byte memoryviews, one per head
     (a token slice is contiguous within each head): zero-copy views of the caller's tensor
-    (tests/test_offload.py counts them). The usual layout is tested once for all heads."""
+    (tests/layouts/test_offload.py counts them). The usual layout is tested once for all heads."""
     if u.strides[2] == u.itemsize and (u.shape[1] == 1 or u.strides[1] == u.shape[2] * u.itemsize):
         return [memoryview(u[h]).cast("B") for h in range(u.shape[0])]
     return [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B") for hd in u]
@@ -316,6 +316,17 @@ def iter_buffers(cache, *, form: str = "file", codec="raw", level: int = DEFAULT
     yield from enc.end(form=form)
 
 
-def encode(cache, **opts) -> bytes:
-    """The whole container as bytes (see ``iter_buffers`` for the options)."""
+def encode_bytes(cache, **opts) -> bytes:
+    """The whole container as bytes (see ``iter_buffers`` for the options): the untyped
+    core of ``kvwire.encode``, for callers that pass Header fields through as they come."""
     return b"".join(iter_buffers(cache, **opts))
+
+
+def __getattr__(name: str):
+    """``encode``, the former name of ``encode_bytes``: deprecated, one public ``encode``
+    (``kvwire.encode``) is enough."""
+    if name == "encode":
+        warnings.warn("kvwire.cache.encoder.encode is deprecated; use kvwire.encode (typed keywords) or "
+                      "kvwire.cache.encoder.encode_bytes (the same function)", DeprecationWarning, stacklevel=2)
+        return encode_bytes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,8 +50,10 @@ class _Error(ctypes.Structure):
                 ("message", ctypes.c_char * 240)]
 
 
-class NativeError(RuntimeError):
+class NativeError(E.Error, RuntimeError):
     """libkvwire failed for a reason that is not about the input (memory, API misuse)."""
+
+    code = "NATIVE_FAILURE"
 
 
 _lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..format import registry as R
+from ..format.errors import Error
 
 F32 = np.dtype("<f4")
 PRECISION = {"f16": 11, "bf16": 8, "f32": 24}  # significand bits
@@ -19,9 +20,11 @@ LARGEST = {"f16": 65504.0, "bf16": float(np.float32(3.3895313892515355e38)), "f3
 _BITS = {2: np.uint16, 4: np.uint32}
 
 
-class NotFaithful(ValueError):
+class NotFaithful(Error, ValueError):
     """A chunk the lossy codec cannot encode faithfully (KVW-LOSSY-5/6); the writer stores
     it with a lossless pipeline instead."""
+
+    code = "NOT_FAITHFUL"
 
 
 def to_header(v: np.ndarray, dtype: str) -> np.ndarray:

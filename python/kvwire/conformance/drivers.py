@@ -309,11 +309,11 @@ class ReferenceImpl:
 
     def encode(self, spec: Path, out: Path, work: Path) -> Call:
         from .impl import read_encode_spec
-        from ..cache.encoder import encode
+        from ..cache.encoder import encode_bytes
 
         t0 = time.perf_counter()
         cache, form, codec = read_encode_spec(str(spec))
-        Path(out).write_bytes(encode(cache, form=form, codec=codec))
+        Path(out).write_bytes(encode_bytes(cache, form=form, codec=codec))
         return Call("ok", seconds=time.perf_counter() - t0)
 
 

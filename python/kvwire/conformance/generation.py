@@ -15,13 +15,17 @@ import warnings
 
 import numpy as np
 
+from ..format.errors import Error
+
 # torch from its CPU index: the default torch wheel on PyPI is a multi-GB CUDA build.
 INSTALL_HINT = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
                 "pip install 'transformers>=5.24,<6'")
 
 
-class MissingDependency(RuntimeError):
+class MissingDependency(Error, RuntimeError):
     """torch, transformers or the HF adapter is not importable."""
+
+    code = "MISSING_DEPENDENCY"
 
 
 def hf_modules():

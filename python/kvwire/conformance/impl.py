@@ -22,7 +22,7 @@ from ..format.errors import FormatError
 from ..format.header import Producer
 from ..cache.files import open as kv_open
 from ..version import __version__
-from ..cache.encoder import encode as kv_encode
+from ..cache.encoder import encode_bytes
 from . import digests as D
 from . import neutral as N
 
@@ -137,7 +137,7 @@ def read_encode_spec(spec_path: str) -> tuple[KVCache, str, str]:
 
 def cmd_encode(spec_path: str, out_path: str, out=sys.stdout) -> int:
     cache, form, codec = read_encode_spec(spec_path)
-    data = kv_encode(cache, form=form, codec=codec)
+    data = encode_bytes(cache, form=form, codec=codec)
     tmp = out_path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)

@@ -1,15 +1,33 @@
-"""Error family of the format.
+"""Error family of the package, rooted here because ``format`` is the lowest layer.
 
-Every way a container can be wrong maps to one stable ``code`` string listed in the
-spec ("Error code registry"). Callers branch on ``code`` (or on the subclass), never
-on message text, so the messages can improve without breaking anyone. Anything that is
-not a ``FormatError`` escaping a reader is a bug in the reader.
+``Error`` is the root of every exception kvwire raises on purpose, so ``except
+kvwire.Error`` catches them all and nothing else. Each class carries a stable ``code``
+string; callers branch on ``code`` (or on the class), never on message text, so the
+messages can improve without breaking anyone. Every class also keeps the builtin base
+that says what kind of failure it is (``ValueError`` for bad input, ``TimeoutError`` for
+a stalled peer, ...), so ``except ValueError`` in existing code still works.
+
+Every way a container can be wrong maps to one ``FormatError`` code listed in the spec
+(spec/kvwire-v1.md section 18, "Error code registry"); the codes of the other classes are
+listed in docs/errors.md. Anything that is not a ``FormatError`` escaping a reader is a
+bug in the reader.
 """
 
 from __future__ import annotations
 
 
-class FormatError(ValueError):
+class Error(Exception):
+    """Root of every kvwire exception: ``except kvwire.Error`` catches any of them.
+
+    ``code`` is the stable identifier of the failure (a class attribute; ``FormatError``
+    sets one per instance from the spec's registry). ``KVWIRE_ERROR`` is reserved for this
+    root and never raised by kvwire itself.
+    """
+
+    code: str = "KVWIRE_ERROR"
+
+
+class FormatError(Error, ValueError):
     """The input is not a valid kvwire container (or not one this reader supports)."""
 
     code = "FORMAT_ERROR"
@@ -54,7 +72,9 @@ class SchemaError(FormatError):
 
 
 class LayoutError(FormatError):
-    """Frames, bodies, padding or chunk coverage break the container layout rules."""
+    """Frames, bodies, padding or chunk coverage break the container layout rules (spec
+    section 9.3: where bytes sit in the container; an engine's memory layout is
+    ``kvwire.layouts``, whose mismatches are ``LayoutMismatchError``)."""
 
 
 class CodecError(FormatError):

@@ -26,6 +26,7 @@ import numpy as np
 from ..cache.cuda import int_view
 from ..cache.tensors import dtype_name
 from ..format.header import EngineLayout, Header
+from ..format.errors import Error
 from .ambiguity import needed_hints
 from .descriptor import LayoutDescriptor, get_layout
 from .gathering import GatherMixin
@@ -34,8 +35,10 @@ from .scattering import ScatterMixin
 __all__ = ["EngineBuffers", "LayerGeometry", "LayoutMismatchError", "bind", "follows"]
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(Error, ValueError):
     """Engine buffers disagree with the named layout, or a container with the buffers."""
+
+    code = "ENGINE_LAYOUT_MISMATCH"
 
 
 @dataclass(frozen=True)

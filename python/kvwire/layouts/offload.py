@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from ..format.chunks import planned_chunks
+from ..format.errors import Error
 from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..cache.cuda import int_view, stream_for
 from ..cache.encoder import Encoder
@@ -45,8 +46,10 @@ from ..cache.files import atomic_write
 from .engine import architecture_of
 
 
-class RingFullError(TimeoutError):
+class RingFullError(Error, TimeoutError):
     """No free host slot: the encoder has not released enough pages within the timeout."""
+
+    code = "OFFLOAD_RING_FULL"
 
 
 class OffloadRing:

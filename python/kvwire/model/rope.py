@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..format.header import LayerSpec, RopeParams
+from ..format.errors import Error
 from ..cache.tensors import dtype_name, is_torch
 
 # rope types whose inverse frequencies are a function of RopeParams alone (KVW-ROPE-3)
@@ -26,8 +27,10 @@ REPOSITIONABLE = ("default", "linear", "llama3", "yarn")
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
-class RepositionError(ValueError):
+class RepositionError(Error, ValueError):
     """The keys cannot be moved to other positions exactly; ``reason`` says why."""
+
+    code = "REPOSITION_FAILED"
 
     def __init__(self, reason: str):
         self.reason = reason

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..codecs.native import pool
 from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_index, parse_preamble, parse_trailer
-from ..format.errors import FormatError
+from ..format.errors import Error, FormatError
 from .base import StoreError
 
 TAG_SUFFIX = ".tag"  # the tag of object K is the object K + ".tag" (KVW-AUTH-3)
@@ -57,11 +57,13 @@ WHERE_KEYS_GO = (f"keys come from a file named by {ENV_KEY_FILE} (or the connect
                  f"from {ENV_KEYS}")
 
 
-class TagError(ValueError):
+class TagError(Error, ValueError):
     """A tag that does not authenticate its object, of one ``kind`` (KVW-AUTH-7):
     "missing" (no tag), "malformed" (not a tag this implementation parses), "foreign" (a
     key id this reader does not hold) or "forged" (it fails under a key this reader holds:
     a wrong HMAC, or digests that disagree with the object)."""
+
+    code = "TAG_INVALID"
 
     def __init__(self, message: str, kind: str = "malformed"):
         super().__init__(message)

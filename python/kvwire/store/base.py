@@ -18,12 +18,16 @@ import re
 import threading
 from dataclasses import dataclass, fields
 
+from ..format.errors import Error
+
 KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(?:/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")  # no segment starts with "."
 MAX_KEY_LENGTH = 1024
 
 
-class StoreError(Exception):
+class StoreError(Error):
     """The store failed (I/O error, full disk, unreachable server, unsupported URL)."""
+
+    code = "STORE_ERROR"
 
 
 def check_key(key) -> str:

@@ -3,10 +3,10 @@
 Everything here is a thin I/O layer over the sans-IO ``Encoder`` and ``StreamDecoder``;
 no container byte is parsed or built outside them.
 
-* ``Writer(sink, header)``: the header goes out at once, then each layer as the producer
+* ``LayerWriter(sink, header)``: the header goes out at once, then each layer as the producer
   hands it over (``write_layer``), as zero-copy ``sendmsg`` / ``writev`` of the caller's
   tensor memory from a background thread, so sending layer i overlaps computing i+1.
-* ``Reader(source)``: yields each layer, in layer order, as soon as its chunks have
+* ``LayerReader(source)``: yields each layer, in layer order, as soon as its chunks have
   arrived and been verified. Bodies are received with ``recvmsg_into`` / ``readv``
   straight into one preallocated (optionally pinned) buffer carved into the layer
   tensors; a receive thread works up to ``prefetch`` layers ahead of the consumer.
@@ -15,25 +15,43 @@ no container byte is parsed or built outside them.
   partial tail, which the next segment of the same cell supersedes (KVW-STREAM-6).
   ``read_segments`` and ``Reassembler`` are the receiving side.
 * ``SharedBuffers`` / ``fanout``: one encoded container written to several sinks (file,
-  socket, ``MemoryStore``) from the same buffers, reference counted, never copied.
-* ``timeout=`` on ``Reader``, ``Writer`` and ``fanout``: the longest a stalled peer may
+  socket, ``MemorySink``) from the same buffers, reference counted, never copied.
+* ``timeout=`` on ``LayerReader``, ``LayerWriter`` and ``fanout``: the longest a stalled peer may
   keep a transport call waiting; then ``StreamTimeout`` (a ``TimeoutError``).
 * ``TransferStats``: bytes, wall time, GB/s and utilization of a declared link bandwidth,
-  on every reader and writer; ``MemoryStore`` counts lookup hits and misses.
+  on every reader and writer; ``MemorySink`` counts lookup hits and misses.
 
 Sinks: a socket, a file descriptor, an object with ``fileno()`` (file, pipe), or one with
 ``write()``. Sources: a socket, a file descriptor, an unbuffered file (``readv``) or an
 object with ``readinto()``.
+
+The public API is what ``__all__`` lists. ``Reader``, ``Writer`` and ``MemoryStore`` are
+deprecated names of ``LayerReader``, ``LayerWriter`` and ``MemorySink`` (they said the
+same as ``kvwire.Reader``, the container reader, and ``kvwire.store.MemoryStore``, a
+backend of the store protocol); they still work and warn (``DeprecationWarning``).
 """
 
-from .fanout import MemoryStore, SharedBuffers, encode_shared, fanout
+import warnings as _warnings
+
+from .fanout import MemorySink, SharedBuffers, encode_shared, fanout
 from .segments import DecodeWriter, Reassembler, read_segments
-from .reader import Layer, Placed, Reader, SparseNotSupported
+from .reader import Layer, LayerReader, Placed, SparseNotSupported
 from .transport import StreamTimeout, TransferStats
-from .writer import Writer
+from .writer import LayerWriter
 
 __all__ = [
-    "DecodeWriter", "Layer", "MemoryStore", "Placed", "Reader", "Reassembler", "SharedBuffers", "StreamTimeout",
-    "SparseNotSupported", "TransferStats",
-    "Writer", "encode_shared", "fanout", "read_segments",
+    "DecodeWriter", "Layer", "LayerReader", "LayerWriter", "MemorySink", "Placed", "Reassembler", "SharedBuffers",
+    "SparseNotSupported", "StreamTimeout", "TransferStats", "encode_shared", "fanout", "read_segments",
 ]
+
+_RENAMED = {"Reader": "LayerReader", "Writer": "LayerWriter", "MemoryStore": "MemorySink"}  # old -> new
+
+
+def __getattr__(name: str):
+    """The deprecated names: the same objects as their new names, with a ``DeprecationWarning``."""
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _warnings.warn(f"kvwire.stream.{name} is deprecated; use kvwire.stream.{new} (the same class)",
+                   DeprecationWarning, stacklevel=2)
+    return globals()[new]

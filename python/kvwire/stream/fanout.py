@@ -71,11 +71,15 @@ def encode_shared(cache: KVCache, *, form: str = "stream", on_free=None, **opts)
     return SharedBuffers(list(iter_buffers(cache, form=form, **opts)), on_free=on_free)
 
 
-class MemoryStore:
-    """An in-memory store of encoded containers by key: it keeps references, not copies.
+class MemorySink:
+    """A ``fanout`` target that keeps encoded containers in memory by key: references to
+    the ``SharedBuffers``, not copies (formerly ``kvwire.stream.MemoryStore``).
 
-    ``lookup(keys)`` counts how many leading keys are stored (a prefix hit, as engines
-    look up chunk-key chains); ``get`` and ``lookup`` count hits and misses.
+    Not a store of ``kvwire.store``: ``kvwire.store.MemoryStore`` copies bytes under
+    checked keys behind the store protocol; this holds the sender's own buffers alive
+    until ``evict``, so a fan-out to memory costs no copy. ``lookup(keys)`` counts how
+    many leading keys are held (a prefix hit, as engines look up chunk-key chains);
+    ``get`` and ``lookup`` count hits and misses.
     """
 
     def __init__(self):
@@ -91,9 +95,9 @@ class MemoryStore:
         if old is not None:
             old.release()
 
-    def sink(self, key) -> "_StoreSink":
+    def sink(self, key) -> "_KeySink":
         """A ``fanout`` target that stores the container under ``key``."""
-        return _StoreSink(self, key)
+        return _KeySink(self, key)
 
     def get(self, key) -> SharedBuffers | None:
         with self._lock:
@@ -140,8 +144,8 @@ class MemoryStore:
         return self.hits / total if total else None
 
 
-class _StoreSink:
-    def __init__(self, store: MemoryStore, key):
+class _KeySink:
+    def __init__(self, store: MemorySink, key):
         self.store, self.key = store, key
 
     def take(self, shared: SharedBuffers) -> None:
@@ -152,19 +156,19 @@ def fanout(shared: SharedBuffers, sinks, *, link_gbps: float | None = None,
            timeout: float | None = None) -> list[TransferStats]:
     """Write ``shared`` to every sink at once (one thread per sink), from the same buffers.
 
-    Each sink holds a reference while it is written; a ``MemoryStore.sink(key)`` keeps
+    Each sink holds a reference while it is written; a ``MemorySink.sink(key)`` keeps
     one until the key is evicted. Returns one ``TransferStats`` per sink; the first
-    failure is raised after all sinks finished. ``timeout``: as for ``Writer``, the
+    failure is raised after all sinks finished. ``timeout``: as for ``LayerWriter``, the
     longest a sink may take no byte (``StreamTimeout``; sockets and descriptors).
     """
-    senders = [None if isinstance(sink, _StoreSink) else sender_for(sink, timeout) for sink in sinks]
+    senders = [None if isinstance(sink, _KeySink) else sender_for(sink, timeout) for sink in sinks]
     stats = [TransferStats("send", link_gbps) for _ in sinks]
     failures: list[BaseException] = []
 
     def run(sink, send, st: TransferStats) -> None:
         try:
             st.begin()
-            if isinstance(sink, _StoreSink):
+            if isinstance(sink, _KeySink):
                 sink.take(shared)
                 st.add(shared.nbytes)
             else:

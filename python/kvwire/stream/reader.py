@@ -1,11 +1,11 @@
-"""The layer-wise stream reader: ``Reader(source)`` yields each ``Layer`` as it arrives.
+"""The layer-wise stream reader: ``LayerReader(source)`` yields each ``Layer`` as it arrives.
 
 Bodies are received with ``recvmsg_into`` / ``readv`` (``receiver_for``, transport.py)
 straight into one preallocated (optionally pinned, or caller-supplied) buffer carved
 into the layer tensors, and verified in place by the sans-IO ``StreamDecoder``; a
 receive thread works up to ``prefetch`` layers ahead of the consumer. The receiving
-side of ``Writer`` (writer.py), kept apart because buffer carving, the prefetch window
-and the consumer hand-off are a responsibility of their own.
+side of ``LayerWriter`` (writer.py), kept apart because buffer carving, the prefetch
+window and the consumer hand-off are a responsibility of their own.
 """
 
 from __future__ import annotations
@@ -22,19 +22,22 @@ from ..cache.kvcache import KVCache
 from ..cache.tensors import as_numpy, as_uint, torch_dtype
 from ..format import registry as R
 from ..format.chunks import ChunkTable
-from ..format.errors import LimitError
+from ..format.errors import Error, LimitError
 from ..format.header import Header
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES
 from .transport import StreamTimeout, TransferStats, receiver_for
 
-__all__ = ["Layer", "Placed", "Reader"]
+__all__ = ["Layer", "LayerReader", "Placed", "SparseNotSupported"]
 
 
 
-class SparseNotSupported(ValueError):
-    """A valid sparse container on a layer-wise ``Reader``: its chunks hold one kv head each
-    and no layer is complete before all its heads are, so it is read with ``StreamDecoder``
-    or ``kvwire.open`` instead (raised right after the header, before any allocation)."""
+class SparseNotSupported(Error, ValueError):
+    """A valid sparse container on a ``LayerReader``: its chunks hold one kv head each and
+    no layer is complete before all its heads are, so it is read with ``StreamDecoder`` or
+    ``kvwire.open`` instead (raised right after the header, before any allocation)."""
+
+    code = "SPARSE_NOT_SUPPORTED"
+
 
 class Layer(NamedTuple):
     """One received layer: component name -> [heads, tokens, dim] array or tensor."""
@@ -122,7 +125,7 @@ def _layer_bytes(h: Header, layer: int) -> list[tuple[str, tuple, int]]:
     return out
 
 
-class Reader:
+class LayerReader:
     """Receive one stream-form container layer by layer; iterate to get ``Layer`` objects.
 
     The constructor reads up to the header (``EOFError`` if the source ends before its
@@ -134,7 +137,7 @@ class Reader:
     ``keep=True`` (default): one buffer for the whole cache, layers stay valid and
     ``cache()`` returns a ``KVCache`` over them. ``keep=False``: a ring of
     ``prefetch + 1`` layer slots in one buffer (chunks must arrive layer by layer, as
-    ``Writer`` sends them); a layer is valid until the next one is taken. ``buffer``: a
+    ``LayerWriter`` sends them); a layer is valid until the next one is taken. ``buffer``: a
     writable buffer or uint8 tensor (or ``callable(nbytes)`` returning one) to carve
     instead of allocating (a buffer kept across transfers avoids the page faults of a
     fresh allocation, which can cost more than the transfer itself); ``pin=True``
@@ -182,8 +185,8 @@ class Reader:
             self._step()
         h = self.header
         if h.sparse is not None:
-            raise SparseNotSupported("stream.Reader reads dense containers; a sparse one (chunks of one head each) "
-                                     "is read with kvwire.StreamDecoder or kvwire.open")
+            raise SparseNotSupported("stream.LayerReader reads dense containers; a sparse one (chunks of one head "
+                                     "each) is read with kvwire.StreamDecoder or kvwire.open")
         if implied_bytes(h) > max_decoded_bytes:  # before the receive buffer is sized from the header
             raise LimitError("DECODED_SIZE_LIMIT", f"the header implies {implied_bytes(h)} decoded bytes, more than "
                              f"max_decoded_bytes={max_decoded_bytes}", rule="KVW-LIM-8")
@@ -274,7 +277,7 @@ class Reader:
         try:
             n = self._recv(targets)
         except StreamTimeout as exc:
-            raise StreamTimeout(f"stream.Reader: no byte arrived for {exc.timeout:g} s while waiting for "
+            raise StreamTimeout(f"stream.LayerReader: no byte arrived for {exc.timeout:g} s while waiting for "
                                 f"{dec.waiting_for()}; {dec.received} bytes had arrived",
                                 timeout=exc.timeout, transferred=dec.received) from None
         if n == 0:

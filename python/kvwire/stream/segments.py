@@ -20,7 +20,7 @@ from ..format.prefix import HASH_SIZE, PREFIX_SCHEME
 from ..format.header import Header, default_layer_tokens
 from ..cache.tensors import as_numpy
 from ..cache.encoder import Encoder
-from .reader import Reader, SparseNotSupported
+from .reader import LayerReader, SparseNotSupported
 from .transport import TransferStats, sender_for
 
 
@@ -142,11 +142,11 @@ class DecodeWriter:
 
 def read_segments(source, **reader_options):
     """Yield each container on ``source`` as a ``KVCache``, until the source ends
-    between two containers (KVW-STREAM-3). ``reader_options`` go to ``Reader``."""
+    between two containers (KVW-STREAM-3). ``reader_options`` go to ``LayerReader``."""
     reader_options.setdefault("prefetch", 0)
     while True:
         try:
-            r = Reader(source, **reader_options)
+            r = LayerReader(source, **reader_options)
         except EOFError:
             return
         except SparseNotSupported:  # refused right after the header, before its chunks are received

@@ -12,9 +12,9 @@
   (``MSG_DONTWAIT``; a descriptor is non-blocking during the write only), so the
   caller's socket timeout and descriptor flags are left as they were.
 
-``Writer`` (writer.py), ``Reader`` (reader.py), ``DecodeWriter`` / ``read_segments``
-(segments.py) and ``fanout`` (fanout.py) all move their bytes through these, so the
-zero-copy I/O and its accounting live in one place.
+``LayerWriter`` (writer.py), ``LayerReader`` (reader.py), ``DecodeWriter`` /
+``read_segments`` (segments.py) and ``fanout`` (fanout.py) all move their bytes through
+these, so the zero-copy I/O and its accounting live in one place.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ import time
 from dataclasses import dataclass, field
 
 from ..cache.decoder import IOV_MAX
+from ..format.errors import Error
 
 __all__ = ["StreamTimeout", "TransferStats", "receiver_for", "sender_for"]
 
 
-class StreamTimeout(TimeoutError):
+class StreamTimeout(Error, TimeoutError):
     """The peer moved no byte for ``timeout`` seconds: ``transferred`` is how many bytes
     the stalled reader or writer had moved by then (its message says what it waited for)."""
+
+    code = "STREAM_TIMEOUT"
 
     def __init__(self, message: str, *, timeout: float, transferred: int = 0):
         super().__init__(message)

@@ -1,10 +1,10 @@
-"""The layer-wise stream writer: ``Writer(sink, header)`` then ``write_layer`` per layer.
+"""The layer-wise stream writer: ``LayerWriter(sink, header)`` then ``write_layer`` per layer.
 
 The header goes out at once, then each layer as the producer hands it over, encoded by
 the sans-IO ``Encoder`` in the caller's thread and sent as zero-copy ``sendmsg`` /
 ``writev`` batches of the caller's tensor memory from a background thread, so sending
-layer i overlaps computing layer i+1. The sending side of ``Reader`` (reader.py); the
-transport itself is ``sender_for`` (transport.py).
+layer i overlaps computing layer i+1. The sending side of ``LayerReader`` (reader.py);
+the transport itself is ``sender_for`` (transport.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from ..format.chunks import grid
 from ..format.header import Header
 from .transport import StreamTimeout, TransferStats, sender_for
 
-__all__ = ["Writer"]
+__all__ = ["LayerWriter"]
 
 
-class Writer:
+class LayerWriter:
     """Stream form, layer by layer: ``write_layer(i, k, v)`` as each layer is computed.
 
     The preamble and header are sent at construction. Each layer's chunks (canonical
@@ -138,8 +138,8 @@ class Writer:
                 self.stats.add(self._send(buffers))
             except StreamTimeout as exc:
                 sent = self.stats.bytes + exc.transferred
-                raise StreamTimeout(f"stream.Writer: the receiver took no byte for {exc.timeout:g} s while sending "
-                                    f"{what}; {sent} bytes had been sent", timeout=exc.timeout,
+                raise StreamTimeout(f"stream.LayerWriter: the receiver took no byte for {exc.timeout:g} s while "
+                                    f"sending {what}; {sent} bytes had been sent", timeout=exc.timeout,
                                     transferred=sent) from None
         if layer is not None:
             self.stats.mark_layer(layer)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache.encoder import encode
+from ..cache.encoder import encode_bytes
 from ..cache.files import open as kv_open
 from ..codecs import PRESETS, native
 from ..codecs.policy import CodecCost
@@ -83,7 +83,7 @@ def measure(name: str, kv_heads: int, head_dim: int, dtype: str, chunk_tokens: i
     ``name`` on a seeded synthetic cache of ``layers`` x ``kv_heads`` x ``tokens`` x
     ``head_dim`` (few layers: both numbers are per element, the layer count does not change them)."""
     cache = synth_cache(layers, kv_heads, head_dim, tokens, dtype=dtype, chunk_tokens=chunk_tokens)
-    blob = encode(cache, codec=name)
+    blob = encode_bytes(cache, codec=name)
     elements = 2 * layers * kv_heads * head_dim * tokens
     times = []
     with kv_open(blob) as r:  # warm-up: first-call costs (imports, allocator) are not the codec's

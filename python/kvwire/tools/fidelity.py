@@ -28,7 +28,7 @@ from ..cache.files import load
 from ..cache.tensors import as_numpy, dtype_name
 from .cliargs import count, positive
 from .progress import Progress
-from ..cache.encoder import encode
+from ..cache.encoder import encode_bytes
 
 BF16_BITS = 16
 
@@ -137,7 +137,7 @@ def roundtrip(caches: Sequence[KVCache], codec, *, label: str | None = None, **e
     blobs, decoded = [], []
     t0 = time.perf_counter()
     for c in caches:
-        blobs.append(encode(c, codec=codec, **encode_opts))
+        blobs.append(encode_bytes(c, codec=codec, **encode_opts))
     t1 = time.perf_counter()
     for b in blobs:
         decoded.append(load(b))
