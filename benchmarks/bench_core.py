@@ -326,7 +326,7 @@ class Bench:
                  measure(lambda: np.copyto(dst, flat) or dst, repeat=R,
                          check=lambda out: assert_eq(xxhash.xxh3_64_intdigest(out), ref)),
                  nbytes=N, group="limits", baseline="memcpy_prefaulted")
-        del dst
+        dst = None  # releases the buffer; rebound, not deleted, as the closures above name it
 
         def fresh():
             d = np.empty_like(flat)
@@ -365,7 +365,7 @@ class Bench:
                  measure(raw_read, repeat=R, check=lambda d: assert_eq(xxhash.xxh3_64_intdigest(d), ref)),
                  nbytes=N, group="limits", baseline="memcpy_prefaulted")
         rm(wpath)
-        del flat
+        flat = None
         self.goals = goals(self, cache, arrays, ref, max(R, 11))
 
         # ---- save ---------------------------------------------------------------------
@@ -433,7 +433,7 @@ class Bench:
                  measure(pickle_save, setup=before_write(pk), repeat=R),
                  nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(pk)} B")
         os.sync()
-        del tdict, npdict
+        tdict = npdict = None
 
         # the zstd file round-trips (untimed)
         assert_eq(digest(cache_arrays(kvwire.load(kvz))), ref)
@@ -447,7 +447,7 @@ class Bench:
         self.row("xxh3_mmap", "xxhash.xxh3_64 over an mmap of the kvwire file (map+hash)",
                  measure(xxh3_mmap, repeat=R, check=lambda h: assert_eq(h, kvw_digest)),
                  nbytes=file_size(kvw), group="limits", baseline="memcpy_prefaulted")
-        del cache, arrays
+        cache = arrays = None
 
         # ---- load (full copy into process memory) ------------------------------------
         print(f"load ({drop_caches_note()})", file=sys.stderr)
@@ -620,7 +620,7 @@ def goals(bench, cache, arrays, ref, pairs):
     add("writev_vs_write", "limit: write_all of save's buffer list, checksums precomputed / write(2)",
         paired(write2, writev_buffers, repeat=pairs, setup_ref=fresh(raw), setup_cand=fresh(kvw), check=save_check),
         kind="time", threshold=None, ref_label="write(2)", cand_label="write_all", nbytes=len(flat))
-    del buffers
+    buffers = None
     rm(raw), rm(st), rm(kvw)
     os.sync()
 

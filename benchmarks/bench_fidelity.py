@@ -221,7 +221,6 @@ def main(argv=None) -> int:
     k1 = lambda c: np.abs(np.asarray(c.keys(1), np.float32)).mean(axis=1).ravel()  # noqa: E731
     pngs = plots(results, k1(caches[0]), k1(random_caches[0]), out)
 
-    by = {r.codec: r for r in results}
     measured = [CodecCost(r.codec, round(r.bits_per_element, 2),
                           math.inf if r.codec == "raw" else round(raw_bytes / r.decode_s / 1e9, 2), r.codec in LOSSLESS)
                 for r in results]

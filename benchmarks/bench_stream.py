@@ -241,7 +241,7 @@ def main(argv=None):
         vs = variants(work_s)
         samples = {v[0]: [] for v in vs}
         for rep in range(args.repeat + 1):  # round robin: every variant sees the same background load
-            for name, kind, runner, sender, factory, base, note in vs:
+            for name, _kind, runner, sender, factory, _base, _note in vs:
                 out, dt = runner(sender, factory())
                 if rep:
                     samples[name].append((dt, out))
@@ -249,7 +249,7 @@ def main(argv=None):
                 raws = {k: statistics.median(dt for dt, _ in samples[vs[0 if k == "tcp" else 5][0]]) for k in link}
                 link.update({k: size / raws[k] / 1e9 for k in link})
         rows = []
-        for name, kind, runner, sender, factory, base, note in vs:
+        for name, _kind, _runner, _sender, _factory, base, note in vs:
             dts = [dt for dt, _ in samples[name]]
             med = statistics.median(dts)
             row = {"name": name, "median_s": med, "min_s": min(dts), "samples_s": dts, "gbps": size / med / 1e9,

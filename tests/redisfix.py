@@ -23,8 +23,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # redisfakes imports this module
+    from redisfakes import Certs
 
 INSTALL_HINT = "redis-server is not installed: apt-get install redis-server (make test installs it)"
 START_TIMEOUT = 10.0

@@ -129,7 +129,7 @@ def _check(data: bytes) -> tuple[str, int]:
                     _touch(ev.data)
                     seq_chunks[ev.layer, ev.component, ev.head_start, ev.token_start] = bytes(
                         memoryview(ev.data.reshape(-1).view("u1")))
-        for ev in dec.events():
+        for _ev in dec.events():
             pass
         dec.close()
         seq = "ok"

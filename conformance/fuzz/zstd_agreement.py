@@ -228,7 +228,7 @@ def run(cases: int, seed: int = 0, *, minor: int | None = None, containers: int 
         if was_on:
             native.enable(lib)
     counts = Counts(cases=cases)
-    for k, (s, idx, body, what) in enumerate(plan):
+    for k, (s, idx, _body, what) in enumerate(plan):
         for (a, ea), (b, eb) in [(results["numpy"][k][0], results["native"][k][0])] + (
                 [(results["numpy"][k][1], results["native"][k][1])] if results["numpy"][k][1] is not None else []):
             out = ("both_reject" if a is None and b is None else "numpy_only" if b is None else

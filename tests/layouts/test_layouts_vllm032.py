@@ -269,7 +269,7 @@ def test_property_derive_bind_gather_scatter(case):
     written = torch.zeros(x2.shape[:-1], dtype=torch.bool)
     for t in range(n):
         written[:, ids2[t // bs], :, t % bs] = True
-        for c, sl in comps.items():
+        for _c, sl in comps.items():
             assert torch.equal(x2[:, ids2[t // bs], :, t % bs, sl].view(torch.int16),
                                x[:, ids[t // bs], :, t % bs, sl].view(torch.int16))
     assert (x2[~written].view(torch.uint8) == 0x5A).all()  # nothing else in the logical tensor
