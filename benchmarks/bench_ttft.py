@@ -12,8 +12,8 @@ does not depend on them) with transformers (the `hf` extra). For a prompt of T t
   ``kvwire.save``), the tensors put into a ``DynamicCache`` without copies, then one
   forward step of ``prompt[-1]`` gives the first token; page cache warm, and cold
   (``posix_fadvise(DONTNEED)`` before each load);
-* kvwire loopback: the same cache streamed by a forked process with ``stream.Writer``
-  over 127.0.0.1 TCP and received with ``stream.Reader``, then the same forward step.
+* kvwire loopback: the same cache streamed by a forked process with ``stream.LayerWriter``
+  over 127.0.0.1 TCP and received with ``stream.LayerReader``, then the same forward step.
 
 Every path must produce the same first token as the recompute (checked). The HF
 conversion here is the minimum the benchmark needs, not an adapter. Writes
@@ -197,7 +197,7 @@ def main(argv=None):
             src = kvwire.load(path)  # the sender's copy, loaded before the clock starts
             s = socket.create_connection(("127.0.0.1", port))
             assert s.recv(1) == b"g"
-            with s, stream.Writer(s, src.header) as w:
+            with s, stream.LayerWriter(s, src.header) as w:
                 for i, layer in enumerate(src.layers):
                     w.write_layer(i, layer["k"], layer["v"])
 
@@ -208,7 +208,7 @@ def main(argv=None):
         try:
             conn.sendall(b"g")
             t0 = time.perf_counter()
-            r = stream.Reader(conn, backend="torch", buffer=buffer)
+            r = stream.LayerReader(conn, backend="torch", buffer=buffer)
             tok, _ = first_token(model, last, to_dynamic_cache(r.cache().layers, cfg))
             dt = time.perf_counter() - t0
         finally:

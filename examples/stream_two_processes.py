@@ -1,10 +1,10 @@
 """Layer-wise streaming of a KV cache from one process to another over TCP (``kvwire.stream``).
 
 What it shows: the producer (this process) listens on a loopback port and starts the
-consumer as a second process; ``stream.Writer(sock, header)`` sends the header at once and
+consumer as a second process; ``stream.LayerWriter(sock, header)`` sends the header at once and
 each layer as soon as ``write_layer(i, k, v)`` is called (zero-copy ``sendmsg`` from a
 background thread, so sending layer i overlaps computing layer i+1). The consumer's
-``stream.Reader(sock)`` yields every layer, verified, as soon as its chunks have arrived,
+``stream.LayerReader(sock)`` yields every layer, verified, as soon as its chunks have arrived,
 while later layers are still in flight: it reports when each layer became usable and a
 SHA-256 of its bytes, which the producer checks against what it sent.
 
@@ -39,7 +39,7 @@ def consume(address: str) -> int:
     host, port = address.rsplit(":", 1)
     t0 = time.perf_counter()
     with socket.create_connection((host, int(port))) as sock:
-        r = stream.Reader(sock, prefetch=2)
+        r = stream.LayerReader(sock, prefetch=2)
         for layer in r:                                  # layer i is usable before i+1 arrived
             print(json.dumps({"layer": layer.index, "ms": round((time.perf_counter() - t0) * 1e3, 2),
                               "sha256": digest(layer.k, layer.v)}), flush=True)
@@ -56,7 +56,7 @@ def produce(layers: int, kv_heads: int, head_dim: int, tokens: int, codec: str) 
                                  stdout=subprocess.PIPE, text=True)
         conn, _ = server.accept()
         sent = []
-        with conn, stream.Writer(conn, header, codec=codec) as w:
+        with conn, stream.LayerWriter(conn, header, codec=codec) as w:
             for i in range(layers):                      # "compute" each layer, then send it at once
                 rng = np.random.default_rng(i)
                 k = rng.standard_normal((kv_heads, tokens, head_dim)).astype(np.float16)

@@ -185,13 +185,13 @@ def test_protocol_optional_fields_with_defaults_compare_equal():
 
 
 def test_stream_reader_refuses_a_sparse_container_after_the_header():
-    """A layer-wise stream.Reader cannot hand out a sparse layer before all its heads arrive:
+    """A layer-wise stream.LayerReader cannot hand out a sparse layer before all its heads arrive:
     it says so right after the header (SparseNotSupported, a ValueError naming the readers
     that can), and read_segments turns that into SEGMENT_MISMATCH (KVW-STREAM-7)."""
     sparse = kvwire.load(Path(__file__).resolve().parents[2] / "conformance/vectors/1.0/valid/sparse-streaming-llm.kvw")
     data = kvwire.encode(sparse, form="stream")
     with pytest.raises(stream.SparseNotSupported, match="StreamDecoder or kvwire.open"):
-        stream.Reader(io.BytesIO(data))
+        stream.LayerReader(io.BytesIO(data))
     with pytest.raises(kvwire.FormatError) as e:
         list(stream.read_segments(io.BytesIO(data)))
     assert e.value.code == "SEGMENT_MISMATCH"

@@ -145,7 +145,7 @@ def test_read_targets_corrupt_body_is_rejected():
     blob[off + 1] ^= 1
     for prefetch in (0, 2):  # the caller's thread, and the receive thread
         with pytest.raises(kvwire.ChecksumError) as info:  # KVW-CSUM-1, checked in place
-            list(stream.Reader(io.BytesIO(bytes(blob)), prefetch=prefetch))
+            list(stream.LayerReader(io.BytesIO(bytes(blob)), prefetch=prefetch))
         assert info.value.code == "BODY_CHECKSUM"
     dec = kvwire.StreamDecoder(placement=lambda *chunk: Placed(None, [memoryview(bytearray(10))]))
     dec.feed(bytes(blob))
@@ -181,11 +181,11 @@ def test_fast_record_check_accepts_only_what_the_full_check_accepts(i, edits):
 
 
 # ---------------------------------------------------------------------------------------
-# Writer / Reader
+# LayerWriter / LayerReader
 # ---------------------------------------------------------------------------------------
 
 def send_cache(sink, cache=CACHE, **kw):
-    with stream.Writer(sink, cache.header, **kw) as w:
+    with stream.LayerWriter(sink, cache.header, **kw) as w:
         for i, layer in enumerate(cache.layers):
             w.write_layer(i, **layer)
     return w
@@ -198,7 +198,7 @@ def test_socketpair_round_trip(prefetch, codec):
     with a, b:
         t = threading.Thread(target=send_cache, args=(a,), kwargs={"codec": codec})
         t.start()
-        r = stream.Reader(b, prefetch=prefetch, link_gbps=10.0)
+        r = stream.LayerReader(b, prefetch=prefetch, link_gbps=10.0)
         got = r.cache()
         t.join()
     assert got.equal(CACHE)
@@ -230,7 +230,7 @@ def test_mixed_layer_kinds(keep):
     sink = io.BytesIO()
     send_cache(sink, cache)
     assert sink.getvalue() == kvwire.encode(cache, form="stream")
-    r = stream.Reader(io.BytesIO(sink.getvalue()), keep=keep, prefetch=1)
+    r = stream.LayerReader(io.BytesIO(sink.getvalue()), keep=keep, prefetch=1)
     for layer in r:
         assert set(layer.tensors) == set(cache.layers[layer.index])
         for c, x in layer.tensors.items():
@@ -243,23 +243,23 @@ def test_torch_backend_and_caller_buffer():
     torch = pytest.importorskip("torch")
     blob = ENC["stream", "raw"]
     slab = torch.empty(1 << 20, dtype=torch.uint8)
-    r = stream.Reader(io.BytesIO(blob), backend="torch", buffer=slab)
+    r = stream.LayerReader(io.BytesIO(blob), backend="torch", buffer=slab)
     layers = list(r)
     assert all(isinstance(layer.k, torch.Tensor) and layer.k.dtype == torch.bfloat16 for layer in layers)
     assert layers[0].k.data_ptr() == slab.data_ptr()  # carved from the caller's buffer
     assert r.cache().equal(CACHE)
     with pytest.raises(ValueError, match="bytes"):
-        stream.Reader(io.BytesIO(blob), buffer=bytearray(100))
+        stream.LayerReader(io.BytesIO(blob), buffer=bytearray(100))
     if torch.cuda.is_available():
-        r = stream.Reader(io.BytesIO(blob), backend="torch", pin=True)
+        r = stream.LayerReader(io.BytesIO(blob), backend="torch", pin=True)
         assert next(iter(r)).k.is_pinned()
     else:
         with pytest.raises(RuntimeError, match="pin=True"):
-            stream.Reader(io.BytesIO(blob), pin=True)
+            stream.LayerReader(io.BytesIO(blob), pin=True)
 
 
 def test_ring_buffer_reuses_slots_and_needs_layer_order():
-    r = stream.Reader(io.BytesIO(ENC["stream", "raw"]), keep=False, prefetch=1)
+    r = stream.LayerReader(io.BytesIO(ENC["stream", "raw"]), keep=False, prefetch=1)
     seen = []
     for layer in r:
         assert np.array_equal(u16(layer.k), u16(CACHE.layers[layer.index]["k"]))
@@ -273,9 +273,9 @@ def test_ring_buffer_reuses_slots_and_needs_layer_order():
             for c in ("k", "v"):
                 bufs += enc.chunk(i, c, t0, layer[c][:, t0 : t0 + 128])
     blob = b"".join(bufs + enc.end(form="stream"))
-    assert stream.Reader(io.BytesIO(blob)).cache().equal(CACHE)
+    assert stream.LayerReader(io.BytesIO(blob)).cache().equal(CACHE)
     with pytest.raises(RuntimeError, match="layer"):
-        list(stream.Reader(io.BytesIO(blob), keep=False))
+        list(stream.LayerReader(io.BytesIO(blob), keep=False))
 
 
 def test_prefetch_bounds_read_ahead():
@@ -284,7 +284,7 @@ def test_prefetch_bounds_read_ahead():
     with a, b:
         t = threading.Thread(target=send_cache, args=(a, big))
         t.start()
-        r = stream.Reader(b, prefetch=1)
+        r = stream.LayerReader(b, prefetch=1)
         it = iter(r)
         next(it)  # using layer 0: the receiver may complete layer 1, not 2
         time.sleep(0.3)
@@ -297,17 +297,17 @@ def test_prefetch_bounds_read_ahead():
 def test_truncated_stream_and_empty_source():
     a, b = socket.socketpair()
     with a, b:
-        w = stream.Writer(a, CACHE.header)
+        w = stream.LayerWriter(a, CACHE.header)
         w.write_layer(0, **CACHE.layers[0])
         w.abort()  # no end frame (KVW-WRITE-2)
         a.shutdown(socket.SHUT_WR)
-        r = stream.Reader(b)
+        r = stream.LayerReader(b)
         with pytest.raises(kvwire.TruncatedError):
             list(r)
     with pytest.raises(EOFError):
-        stream.Reader(io.BytesIO(b""))
+        stream.LayerReader(io.BytesIO(b""))
     with pytest.raises(ValueError, match="never written"):
-        stream.Writer(io.BytesIO(), CACHE.header).close()
+        stream.LayerWriter(io.BytesIO(), CACHE.header).close()
 
 
 def test_files_and_file_form(tmp_path):
@@ -316,20 +316,20 @@ def test_files_and_file_form(tmp_path):
         send_cache(f)
     assert path.read_bytes() == ENC["stream", "raw"]
     with open(path, "rb", buffering=0) as f:  # FileIO: readv
-        assert stream.Reader(f).cache().equal(CACHE)
+        assert stream.LayerReader(f).cache().equal(CACHE)
     kvwire.save(tmp_path / "c.kvw", CACHE)
     with open(tmp_path / "c.kvw", "rb") as f:  # file form: tail read and checked
-        r = stream.Reader(f, to_eof=True)
+        r = stream.LayerReader(f, to_eof=True)
         assert r.cache().equal(CACHE) and r.form == "file"
     bad = bytearray(ENC["file", "raw"])
     bad[-40] ^= 1  # damage the index
     with pytest.raises(kvwire.FormatError):
-        stream.Reader(io.BytesIO(bytes(bad)), to_eof=True).cache()
+        stream.LayerReader(io.BytesIO(bytes(bad)), to_eof=True).cache()
 
 
 def _child_tcp(port, go):
     s = socket.create_connection(("127.0.0.1", port))
-    with s, stream.Writer(s, CACHE.header) as w:
+    with s, stream.LayerWriter(s, CACHE.header) as w:
         w.write_layer(0, **CACHE.layers[0])
         assert go.wait(20), "the receiver never used layer 0"  # the rest only after layer 0 was used
         for i in range(1, 4):
@@ -337,7 +337,7 @@ def _child_tcp(port, go):
 
 
 def _child_pipe(fd, go):
-    with stream.Writer(fd, CACHE.header) as w:
+    with stream.LayerWriter(fd, CACHE.header) as w:
         w.write_layer(0, **CACHE.layers[0])
         assert go.wait(20), "the receiver never used layer 0"
         for i in range(1, 4):
@@ -361,7 +361,7 @@ def test_two_processes_layer_zero_usable_before_the_rest_is_sent(transport):
         os.close(wfd)
         source = rfd
     try:
-        r = stream.Reader(source)
+        r = stream.LayerReader(source)
         it = iter(r)
         first = next(it)
         assert r.layers_ready == 1 and np.array_equal(u16(first.k), u16(CACHE.layers[0]["k"]))
@@ -496,7 +496,7 @@ def test_segments_over_a_socket_and_reassembly_errors():
 def test_fanout_to_file_socket_and_store_without_copies(tmp_path):
     cache = synth_cache(4, 4, 64, 1024, seed=5)  # 4 MiB of tensors
     expected = kvwire.encode(cache, form="stream")
-    store = stream.MemoryStore()
+    store = stream.MemorySink()
     freed = []
     shared = stream.encode_shared(cache, on_free=freed.append)
     assert shared.nbytes == len(expected) and shared.owned_nbytes < 64 << 10  # bodies are views
@@ -543,7 +543,7 @@ def test_shared_zstd_buffers_are_freed_by_the_last_holder():
         shared = stream.encode_shared(cache, codec="zstd")
         held = tracemalloc.get_traced_memory()[0] - base
         assert shared.owned_nbytes > 100_000 and held >= shared.owned_nbytes
-        store = stream.MemoryStore()
+        store = stream.MemorySink()
         stream.fanout(shared, [store.sink("a"), store.sink("b"), io.BytesIO()])
         assert tracemalloc.get_traced_memory()[0] - base < held + (64 << 10)  # nothing copied per sink
         shared.release()
@@ -559,7 +559,7 @@ def test_shared_zstd_buffers_are_freed_by_the_last_holder():
 
 
 def test_store_lookup_counts_hits_and_misses():
-    store = stream.MemoryStore()
+    store = stream.MemorySink()
     shared = stream.encode_shared(CACHE)
     for key in ("c0", "c1", "c2"):
         store.put(key, shared)

@@ -1,5 +1,5 @@
 """Hostile and stalled peers on the streaming receive paths (StreamDecoder in both input
-styles, stream.Reader, stream.Writer): declared lengths that no byte backs (KVW-LIM-8),
+styles, stream.LayerReader, stream.LayerWriter): declared lengths that no byte backs (KVW-LIM-8),
 the header-implied decoded size (KVW-LIM-5, KVW-LIM-8), transport timeouts, and the
 one-copy decoding of compressed chunks."""
 
@@ -102,7 +102,7 @@ def test_lim8_declared_compressed_body_costs_no_memory(stored, style):
 
     def run():
         if style == "reader":
-            return stream.Reader(io.BytesIO(data), prefetch=0).cache()
+            return stream.LayerReader(io.BytesIO(data), prefetch=0).cache()
         dec = StreamDecoder()
         if style == "into":
             return read_into(dec, data)
@@ -181,12 +181,12 @@ def huge_header_stream(tokens=(1 << 31) - 1) -> bytes:
 
 
 def test_lim8_reader_checks_the_header_implied_size_before_allocating():
-    """KVW-LIM-8 / KVW-LIM-5: stream.Reader refuses a header implying more than
+    """KVW-LIM-8 / KVW-LIM-5: stream.LayerReader refuses a header implying more than
     max_decoded_bytes (default 64 GiB) with DECODED_SIZE_LIMIT before its receive buffer is
     allocated: no MemoryError, the buffer callable is never asked."""
     asked = []
     data = huge_header_stream()
-    out, peak = peak_of(lambda: stream.Reader(io.BytesIO(data), prefetch=0, buffer=asked.append))
+    out, peak = peak_of(lambda: stream.LayerReader(io.BytesIO(data), prefetch=0, buffer=asked.append))
     assert isinstance(out, LimitError) and out.code == "DECODED_SIZE_LIMIT", out
     assert asked == [] and peak < (1 << 20)
 
@@ -197,14 +197,14 @@ def test_lim8_reader_limit_is_exact():
     data = kvwire.encode(ROUND, form="stream")
     need = implied_bytes(kvwire.probe(data))
     assert need == sum(x.nbytes for layer in ROUND.layers for x in layer.values())
-    cache = stream.Reader(io.BytesIO(data), max_decoded_bytes=need, prefetch=0).cache()
+    cache = stream.LayerReader(io.BytesIO(data), max_decoded_bytes=need, prefetch=0).cache()
     assert cache.header.token_count == ROUND.header.token_count
     with pytest.raises(LimitError) as e:
-        stream.Reader(io.BytesIO(data), max_decoded_bytes=need - 1, prefetch=0, buffer=lambda n: pytest.fail(f"allocated {n} bytes"))
+        stream.LayerReader(io.BytesIO(data), max_decoded_bytes=need - 1, prefetch=0, buffer=lambda n: pytest.fail(f"allocated {n} bytes"))
     assert e.value.code == "DECODED_SIZE_LIMIT"
     for bad in (-1, 1.5, "64", True):
         with pytest.raises(ValueError, match="max_decoded_bytes"):
-            stream.Reader(io.BytesIO(data), max_decoded_bytes=bad)
+            stream.LayerReader(io.BytesIO(data), max_decoded_bytes=bad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ SMALL = kvwire.encode(ROUND, form="stream")
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_reader_timeout_on_a_stalled_socket(prefetch):
-    """stream.Reader(timeout=): a sender that stops mid-body raises StreamTimeout (a
+    """stream.LayerReader(timeout=): a sender that stops mid-body raises StreamTimeout (a
     TimeoutError) naming what was awaited and how many bytes had arrived; the socket's
     own timeout is left as it was."""
     a, b = socket.socketpair()
@@ -308,7 +308,7 @@ def test_reader_timeout_on_a_stalled_socket(prefetch):
         a.sendall(SMALL[:cut])
         t = time.monotonic()
         with pytest.raises(stream.StreamTimeout) as e:
-            stream.Reader(b, timeout=0.2, prefetch=prefetch).cache()
+            stream.LayerReader(b, timeout=0.2, prefetch=prefetch).cache()
         assert time.monotonic() - t < 5
         assert isinstance(e.value, TimeoutError) and e.value.timeout == 0.2
         assert e.value.transferred == cut
@@ -325,7 +325,7 @@ def test_reader_timeout_on_a_stalled_pipe_before_the_header():
         os.write(w, SMALL[:10])
         t = time.monotonic()
         with pytest.raises(stream.StreamTimeout, match=r"the preamble \(bytes 10 of 32\); 10 bytes had arrived"):
-            stream.Reader(r, timeout=0.1)
+            stream.LayerReader(r, timeout=0.1)
         assert time.monotonic() - t < 5
         assert os.get_blocking(r)
     finally:
@@ -345,7 +345,7 @@ def test_reader_timeout_does_not_fire_on_a_slow_but_live_peer():
     th = threading.Thread(target=trickle)
     th.start()
     with a, b:
-        cache = stream.Reader(b, timeout=0.5).cache()
+        cache = stream.LayerReader(b, timeout=0.5).cache()
         th.join()
     assert cache.header.num_layers == ROUND.header.num_layers
 
@@ -356,13 +356,13 @@ def big_layer_cache():
 
 @pytest.mark.parametrize("background", [False, True])
 def test_writer_timeout_on_a_receiver_that_stops_reading(background):
-    """stream.Writer(timeout=): a receiver that takes nothing raises StreamTimeout from
+    """stream.LayerWriter(timeout=): a receiver that takes nothing raises StreamTimeout from
     write_layer or close, saying what was being sent and how many bytes went out."""
     cache = big_layer_cache()
     a, b = socket.socketpair()
     with a, b:
         t = time.monotonic()
-        w = stream.Writer(a, cache.header, timeout=0.2, background=background)
+        w = stream.LayerWriter(a, cache.header, timeout=0.2, background=background)
         with pytest.raises(stream.StreamTimeout) as e:
             w.write_layer(0, **cache.layers[0])
             w.close()
@@ -379,7 +379,7 @@ def test_writer_timeout_on_a_pipe_restores_blocking():
     cache = big_layer_cache()
     r, w = os.pipe()
     try:
-        wr = stream.Writer(w, cache.header, timeout=0.1, background=False)
+        wr = stream.LayerWriter(w, cache.header, timeout=0.1, background=False)
         with pytest.raises(stream.StreamTimeout, match="chunks of layer 0"):
             wr.write_layer(0, **cache.layers[0])
         assert os.get_blocking(w)
@@ -405,13 +405,13 @@ def test_timeout_misuse(bad):
     """A timeout that is not a positive number, or one on a source poll cannot watch,
     is a ValueError naming the valid choices."""
     with pytest.raises(ValueError, match="positive number of seconds or None"):
-        stream.Reader(io.BytesIO(SMALL), timeout=bad)
+        stream.LayerReader(io.BytesIO(SMALL), timeout=bad)
     with pytest.raises(ValueError, match="positive number of seconds or None"):
-        stream.Writer(io.BytesIO(), ROUND.header, timeout=bad)
+        stream.LayerWriter(io.BytesIO(), ROUND.header, timeout=bad)
 
 
 def test_timeout_needs_a_pollable_transport():
     with pytest.raises(ValueError, match="socket or a file descriptor"):
-        stream.Reader(io.BytesIO(SMALL), timeout=1)
+        stream.LayerReader(io.BytesIO(SMALL), timeout=1)
     with pytest.raises(ValueError, match="socket or a file descriptor"):
-        stream.Writer(io.BytesIO(), ROUND.header, timeout=1)
+        stream.LayerWriter(io.BytesIO(), ROUND.header, timeout=1)
