@@ -18,6 +18,7 @@ where the spec exempts the revisit (RopeParams tables, which writers share).
 from __future__ import annotations
 
 import struct
+from typing import Any, Literal, overload
 
 from .errors import HeaderError, LimitError
 from .limits import MAX_FB_TABLES, PARSE_BUDGET_BASE, PARSE_BUDGET_PER_BYTE, PARSE_TABLE_COST
@@ -40,7 +41,7 @@ class Buffer:
         self.n = len(data)
         self.tables_left = MAX_FB_TABLES
         self.budget = self.budget_left = PARSE_BUDGET_PER_BYTE * self.n + PARSE_BUDGET_BASE
-        self.memo: dict = {}  # (kind, position) -> decoded object, for revisits KVW-LIM-7 exempts
+        self.memo: dict[Any, Any] = {}  # (kind, position) -> decoded object, for revisits KVW-LIM-7 exempts
         if self.n < 8:
             raise HeaderError("FB_BOUNDS", "FlatBuffer shorter than its root offset and identifier", rule=rule)
         if data[4:8] != identifier:
@@ -68,9 +69,10 @@ class Buffer:
 
     def u32(self, pos: int, what: str) -> int:
         self.check(pos, 4, 4, what)
-        return _U32.unpack_from(self.data, pos)[0]
+        v: int = _U32.unpack_from(self.data, pos)[0]
+        return v
 
-    def root(self) -> "Table":
+    def root(self) -> Table:
         return Table(self, self.u32(0, "root offset"))
 
 
@@ -109,7 +111,7 @@ class Table:
         offsets = self.offsets
         if fid >= len(offsets):
             return None
-        off = offsets[fid]
+        off: int = offsets[fid]
         if off == 0:
             return None
         if off < 4 or off + size > self.inline:
@@ -119,7 +121,7 @@ class Table:
             raise HeaderError("FB_ALIGNMENT", f"field {fid} at {pos} not aligned to {size}", rule="KVW-HDR-4")
         return pos
 
-    def scalar(self, fid: int, fmt: struct.Struct, default):
+    def scalar(self, fid: int, fmt: struct.Struct, default: Any) -> Any:
         pos = self._field(fid, fmt.size)
         return default if pos is None else fmt.unpack_from(self.buf.data, pos)[0]
 
@@ -141,13 +143,27 @@ class Table:
             if required:
                 raise HeaderError("FB_REQUIRED", f"required {what} (field {fid}) missing", rule="KVW-HDR-6")
             return None
-        return pos + _U32.unpack_from(self.buf.data, pos)[0]
+        target: int = pos + _U32.unpack_from(self.buf.data, pos)[0]
+        return target
 
-    def table(self, fid: int, *, required: bool = False) -> "Table | None":
+    @overload
+    def table(self, fid: int, *, required: Literal[True]) -> Table: ...
+    @overload
+    def table(self, fid: int, *, required: bool = False) -> Table | None: ...
+
+    def table(self, fid: int, *, required: bool = False) -> Table | None:
         target = self._ref(fid, required, "table")
         return None if target is None else Table(self.buf, target)
 
-    def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *, required: bool = False):
+    @overload
+    def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *,
+               required: Literal[True]) -> tuple[int, int]: ...
+    @overload
+    def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *,
+               required: bool = False) -> tuple[int, int] | None: ...
+
+    def vector(self, fid: int, elem_size: int, elem_align: int, max_count: int, *,
+               required: bool = False) -> tuple[int, int] | None:
         """(start, count) of a vector, its length checked against the bytes left and its
         body (``count x elem_size`` bytes) charged to the parse budget (KVW-LIM-7)."""
         target = self._ref(fid, required, "vector")
@@ -156,7 +172,7 @@ class Table:
         buf = self.buf
         if target < 0 or target + 4 > buf.n or target % 4:
             buf.check(target, 4, 4, "vector length")
-        count = _U32.unpack_from(buf.data, target)[0]
+        count: int = _U32.unpack_from(buf.data, target)[0]
         if count > max_count:
             raise LimitError("LIMIT_EXCEEDED", f"vector of {count} elements exceeds limit {max_count}", rule="KVW-LIM-1")
         start = target + 4
@@ -184,7 +200,7 @@ class Table:
         except UnicodeDecodeError:
             raise HeaderError("FB_STRING", "string is not valid UTF-8", rule="KVW-HDR-7") from None
 
-    def tables(self, fid: int, max_count: int) -> list["Table"]:
+    def tables(self, fid: int, max_count: int) -> list[Table]:
         v = self.vector(fid, 4, 4, max_count)
         if v is None:
             return []
