@@ -13,9 +13,9 @@ bytes; how a writer picks scales is its own business (amax / fmax, min-max).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from ..format import registry as R
@@ -27,11 +27,25 @@ from . import turboquant as TQ
 from .scales import NotFaithful  # noqa: F401  (re-exported: the writer's refusal)
 
 F32 = np.dtype("<f4")
-FP8 = {  # format -> (numpy dtype, largest finite value)
-    "f8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
-    "f8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), 57344.0),
-    "f8_e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), 240.0),
-}
+FP8_MAX = {"f8_e4m3fn": 448.0, "f8_e5m2": 57344.0, "f8_e4m3fnuz": 240.0}  # format -> largest finite value
+
+
+class FP8Formats(Mapping[str, tuple[np.dtype, float]]):
+    """``FP8[format] -> (numpy dtype, largest finite value)``; the dtypes come from ml_dtypes, imported on
+    first use (R.DTYPES)."""
+
+    def __getitem__(self, fmt: str) -> tuple[np.dtype, float]:
+        return R.DTYPES[fmt].numpy, FP8_MAX[fmt]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FP8_MAX)
+
+    def __len__(self) -> int:
+        return len(FP8_MAX)
+
+
+FP8 = FP8Formats()
+
 CANONICAL_NAN = {"bf16": 0x7FC0, "f16": 0x7E00, "f32": 0x7FC00000}  # KVW-LOSSY-4
 
 
@@ -364,7 +378,6 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
             np.clip(q, -fmax, fmax, out=q)  # saturate; NaN stays NaN
         codes = K.f32_to_fp8(q, spec.fp8_format, dt)  # round half to even
         return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), codes.reshape(-1)]
-    b = spec.bits
     rows = None
     if spec.rotation != "none":  # the writer's rotation (section 8.4); KVW-ROT-7 checked below
         rows = K.amax_of(y.max(axis=2), y.min(axis=2))

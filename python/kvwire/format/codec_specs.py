@@ -82,7 +82,7 @@ _U8 = struct.Struct("<B")
 # (attribute, field id, struct, enum name -> code) in schema order
 _ENUMS = {
     "codec": R.CODECS, "lossless": R.CODECS,
-    "fp8_format": {k: v[0] for k, v in R.DTYPES.items()}, "scale_dtype": {k: v[0] for k, v in R.DTYPES.items()},
+    "fp8_format": {k: v[0] for k, v in R.DTYPE_CODES.items()}, "scale_dtype": {k: v[0] for k, v in R.DTYPE_CODES.items()},
     "scale_granularity": R.SCALE_GRANULARITIES, "group_axis": R.GROUP_AXES,
     "rotation": R.ROTATIONS, "codebook": R.CODEBOOKS,
 }

@@ -8,27 +8,67 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # bf16 / fp8 for numpy; a core dependency, but keep the import failure readable
-    import ml_dtypes as _mld
-except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared dependency
-    raise ImportError("kvwire needs ml_dtypes for bf16/fp8 numpy arrays: pip install ml_dtypes") from exc
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0  # what a writer writes for a container that uses no feature added after 1.0 (KVW-EVOL-12)
 FORMAT_MINOR_IMPLEMENTED = 4  # the newest revision this codec implements: 1.4 (checksummed zstd frames, KVW-CODEC-4/5)
 
-# DType registry: name -> (code, itemsize, numpy dtype)
-DTYPES: dict[str, tuple[int, int, np.dtype]] = {
-    "bf16": (0, 2, np.dtype(_mld.bfloat16)),
-    "f16": (1, 2, np.dtype(np.float16)),
-    "f32": (2, 4, np.dtype(np.float32)),
-    "f8_e4m3fn": (3, 1, np.dtype(_mld.float8_e4m3fn)),
-    "f8_e5m2": (4, 1, np.dtype(_mld.float8_e5m2)),
-    "f8_e4m3fnuz": (5, 1, np.dtype(_mld.float8_e4m3fnuz)),
-    "i8": (6, 1, np.dtype(np.int8)),
-    "u8": (7, 1, np.dtype(np.uint8)),
+# DType registry: name -> (code, itemsize, numpy dtype). bf16 and the fp8 types come from ml_dtypes, whose
+# import is most of `import kvwire`'s time (seconds on a busy machine): it is imported the first time one of
+# those numpy dtypes is asked for, not when the package is imported.
+DTYPE_CODES: dict[str, tuple[int, int]] = {  # name -> (code, itemsize): the wire registry, no numpy needed
+    "bf16": (0, 2), "f16": (1, 2), "f32": (2, 4), "f8_e4m3fn": (3, 1), "f8_e5m2": (4, 1), "f8_e4m3fnuz": (5, 1),
+    "i8": (6, 1), "u8": (7, 1),
 }
-DTYPE_BY_CODE = {code: name for name, (code, _, _) in DTYPES.items()}
+_NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f8_e4m3fn": "float8_e4m3fn",
+                "f8_e5m2": "float8_e5m2", "f8_e4m3fnuz": "float8_e4m3fnuz", "i8": "int8", "u8": "uint8"}
+
+
+def ml_dtypes():  # type: ignore[no-untyped-def]
+    """The ml_dtypes module (bf16 and fp8 numpy types), imported on first use."""
+    try:
+        import ml_dtypes as mld
+    except ImportError as exc:  # pragma: no cover - ml_dtypes is a declared dependency
+        raise ImportError("kvwire needs ml_dtypes for bf16/fp8 numpy arrays: pip install ml_dtypes") from exc
+    return mld
+
+
+class DType(NamedTuple):
+    code: int
+    itemsize: int
+    numpy: np.dtype
+
+
+class DTypeTable(Mapping[str, DType]):
+    """``DTYPES[name] -> (code, itemsize, numpy dtype)``, a read-only mapping whose numpy dtypes are made
+    on first access (bf16/fp8 import ml_dtypes then)."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, DType] = {}
+
+    def __getitem__(self, name: str) -> DType:
+        got = self._made.get(name)
+        if got is None:
+            code, size = DTYPE_CODES[name]
+            npn = _NUMPY_NAMES[name]
+            got = DType(code, size, np.dtype(getattr(np, npn) if hasattr(np, npn) else getattr(ml_dtypes(), npn)))
+            self._made[name] = got
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DTYPE_CODES)
+
+    def __len__(self) -> int:
+        return len(DTYPE_CODES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in DTYPE_CODES
+
+
+DTYPES = DTypeTable()
+DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPE_CODES.items()}
 
 CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
 CODEC_BY_CODE = {v: k for k, v in CODECS.items()}

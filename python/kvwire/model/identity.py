@@ -145,10 +145,9 @@ def tokenizer_fingerprint(vocab: Mapping[str, int], *, special_tokens: Mapping[s
 
 
 # dtype names in weight records: the kvwire dtype registry names, plus wider types
-_NP_DTYPE_NAMES = {np.dtype(d): name for name, (_, _, d) in R.DTYPES.items()}
-_NP_DTYPE_NAMES.update({np.dtype(np.float64): "f64", np.dtype(np.int16): "i16", np.dtype(np.int32): "i32",
-                        np.dtype(np.int64): "i64", np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32",
-                        np.dtype(np.uint64): "u64", np.dtype(np.bool_): "bool"})
+_NP_DTYPE_NAMES = {np.dtype(np.float64): "f64", np.dtype(np.int16): "i16", np.dtype(np.int32): "i32",
+                   np.dtype(np.int64): "i64", np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32",
+                   np.dtype(np.uint64): "u64", np.dtype(np.bool_): "bool"}  # + the registry's, on first use
 _TORCH_DTYPE_NAMES = {
     "bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "float8_e4m3fn": "f8_e4m3fn",
     "float8_e5m2": "f8_e5m2", "float8_e4m3fnuz": "f8_e4m3fnuz", "int8": "i8", "uint8": "u8", "int16": "i16",
@@ -172,6 +171,8 @@ def _tensor_record(x) -> tuple[str, tuple[int, ...], memoryview]:
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     name = _NP_DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        name = next((n for n, d in R.DTYPES.items() if d.numpy == a.dtype), None)
     if name is None:
         raise ValueError(f"array dtype {a.dtype} has no weights-fingerprint name")
     return name, a.shape, memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
