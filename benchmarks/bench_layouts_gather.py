@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Per-layer gather and scatter of a vLLM paged KV cache view, by slot ids, through the
+connector's copies and through ``kvwire.layouts.EngineBuffers``, on the same tensors.
+
+    .venv/bin/python benchmarks/bench_layouts_gather.py             # CPU, 4 MiB per layer, bf16
+    .venv/bin/python benchmarks/bench_layouts_gather.py --device cuda
+
+Why: the vLLM connector copies each layer between vLLM's ``[num_blocks, num_kv_heads,
+block_size, 2 * head_dim]`` view and kvwire's standard ``[heads, tokens, head_dim]``
+layout on every save and load; two implementations of that copy exist (torch indexing on
+slot ids, and EngineBuffers' strided copies per run of blocks), and the one the connector
+uses must be the faster. Packings: ``channels`` (FlashAttention, Triton, FlashInfer, Flex),
+and the CPU backend's ``vec`` and ``amx`` kernels (packing ``tokens``). EngineBuffers has no
+layout for the ``amx`` tiles (spec/layouts.md KVW-BIND-5), so that row has one column.
+
+Each figure is the best of --repeat timed runs after one warm-up (the least disturbed by
+other work on a shared machine), in ms per layer;
+"scattered" gathers blocks in a random order, "consecutive" a run of blocks. Writes
+benchmarks/results/layouts_gather.md (the table printed) unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))  # harmless when kvwire is installed editable
+
+from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+
+import torch  # noqa: E402
+
+import kvwire  # noqa: E402
+from kvwire import layouts  # noqa: E402
+from kvwire.integrations.vllm_plan import gather_layer, scatter_layer, slots  # noqa: E402
+
+# connector packing name -> (attn_backend, cpu_isa) for bind_vllm; None: no registered layout
+PACKINGS = {"channels": ("FLASH_ATTN", None), "cpu_vec": ("CPU_ATTN", "vec"), "cpu_amx": None}
+
+
+def timed(fn, repeat: int, sync) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return min(samples) * 1e3
+
+
+def run(args) -> list[tuple]:
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    H, N, D = args.heads, args.block_size, args.head_dim
+    block_bytes = H * N * 2 * D * 2  # bf16
+    nblk = args.layer_mib * (1 << 20) // block_bytes
+    tokens = nblk * N
+    total = 2 * nblk
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn((total, H, N, 2 * D), generator=gen).to(torch.bfloat16).to(dev)
+    dst = torch.zeros_like(src)
+    rng = np.random.default_rng(0)
+    rows = []
+    for order in ("scattered", "consecutive"):
+        blocks = rng.permutation(total)[:nblk] if order == "scattered" else np.arange(3, 3 + nblk)
+        ids = slots(blocks, N, 0, tokens)
+        for packing, how in PACKINGS.items():
+            mine = gather_layer(src, ids, D, False, packing)
+            t_g = timed(lambda: gather_layer(src, ids, D, False, packing), args.repeat, sync)
+            t_s = timed(lambda: scatter_layer(dst, ids, mine, D, False, packing), args.repeat, sync)
+            eb_g = eb_s = None
+            if how is not None:
+                kw = dict(num_kv_heads=H, head_dim=D, block_size=N, attn_backend=how[0], cpu_isa=how[1],
+                          kv_cache_layout="LBHNC")
+                eb, eb_dst = layouts.bind_vllm([src], **kw), layouts.bind_vllm([dst], **kw)
+                theirs = eb.gather_layer(0, blocks, tokens)
+                assert all(torch.equal(mine[c].view(torch.int16), theirs[c].contiguous().view(torch.int16))
+                           for c in ("k", "v")), packing
+                eb_g = timed(lambda: {c: x.contiguous() for c, x in eb.gather_layer(0, blocks, tokens).items()},
+                             args.repeat, sync)
+                data = layouts.encode_from_engine(eb, blocks, tokens, chunk_tokens=tokens)
+                with kvwire.open(data) as r:
+                    eb_s = timed(lambda: eb_dst.scatter(r, blocks, verify=False).synchronize(), args.repeat, sync)
+            rows.append((order, packing, t_g, eb_g, t_s, eb_s))
+    return rows
+
+
+def table(args, rows) -> str:
+    def f(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [f"# Per-layer gather / scatter of a vLLM paged view by slot ids ({args.device})", "",
+             f"{args.layer_mib} MiB per layer (K and V), bfloat16, {args.heads} KV heads x head_dim "
+             f"{args.head_dim}, block_size {args.block_size}; best of {args.repeat} runs, ms per layer. "
+             f"Machine: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads.", "",
+             "| blocks | packing | gather: connector | gather: EngineBuffers | scatter: connector "
+             "| scatter: EngineBuffers |", "|---|---|---:|---:|---:|---:|"]
+    for order, packing, g, eg, s, es in rows:
+        lines.append(f"| {order} | {packing} | {f(g)} | {f(eg)} | {f(s)} | {f(es)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layer-mib", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=32, help="a multiple of 16 (the amx tiles)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady figures on a shared machine)")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--results", default=str(HERE / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    text = table(args, run(args))
+    print(text)
+    if not args.no_write:
+        Path(args.results, "layouts_gather.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
