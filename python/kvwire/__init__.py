@@ -9,10 +9,26 @@ First screen of the API::
     cache.keys[i], cache.values[i], cache.astype("float32"), cache.to("cuda"), cache == other
     kvwire.probe(first_bytes)           # the header alone, from the first bytes
     kvwire.encode(cache) -> bytes       # iter_buffers(cache) for writev without copies
-    kvwire.layouts.bind(name, buffers)  # engine buffers (vLLM, SGLang, LMCache...) <-> chunks
+    kvwire.layouts.bind(name, buffers)  # engine buffers in an engine layout (vLLM, SGLang...) <-> chunks
     kvwire.save(path, cache, codec="kivi2")          # byteplane, fp8-e4m3, int8, int4-g32...
     kvwire.check_compatible(header, local_model)     # exact / convertible / incompatible
     kvwire.adapters.hf.from_hf(cache, model)         # transformers DynamicCache <-> KVCache
+
+The public API is what the ``__all__`` of a public namespace lists: ``kvwire`` itself,
+``kvwire.stream``, ``kvwire.store``, ``kvwire.layouts``, ``kvwire.rope``, ``kvwire.codecs``,
+``kvwire.adapters.hf``, ``kvwire.integrations.vllm``, ``kvwire.integrations.vllm_quantized``
+and ``kvwire.conformance`` (docs/api*.md). Import names from those namespaces: the modules
+below them (``kvwire.cache.encoder``, ``kvwire.stream.reader``, ...) are implementation and
+may move. A renamed public name keeps working for a while as a deprecated alias that warns
+(``DeprecationWarning``). Every exception kvwire raises is a ``kvwire.Error`` with a stable
+``code``; it keeps its builtin kind too (``FormatError`` is a ``ValueError``,
+``StreamTimeout`` a ``TimeoutError``), and the codes are listed in docs/errors.md.
+
+Three things are called a layout, always with their qualifier: the *container layout*
+(where frames, bodies and padding sit, spec section 9.3; broken: ``LayoutError``), the
+*canonical tensor layout* of a chunk body ([heads, tokens, dim], KVW-CHUNK-4) and an
+*engine layout* (how an engine holds its cache in memory: ``kvwire.layouts``,
+``EngineLayout``, spec/layouts.md; buffers that disagree: ``LayoutMismatchError``).
 
 The package uses relative imports only and keeps no global state (beyond a per-process
 note of file systems that refuse to link unnamed temporary files), so it can be vendored

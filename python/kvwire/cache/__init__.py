@@ -1,6 +1,7 @@
 """The encode/decode API: caches as objects and their containers, on ``format`` and ``codecs``.
 
-- ``kvcache``: ``KVCache``, a dense cache in the standard layout (state layers included);
+- ``kvcache``: ``KVCache``, a dense cache in the canonical tensor layout ([heads, tokens,
+  dim] per layer, KVW-CHUNK-4; state layers included);
 - ``sparse``: ``SparseKVCache``, per-(layer, head) retained tokens (spec/sparse.md);
 - ``encoder``: the sans-IO ``Encoder`` and ``iter_buffers``/``encode_bytes``, one encoder for
   dense, state and sparse caches through the header's chunk plan;
