@@ -16,9 +16,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import flatbuffers
+
 from . import limits as L
-from .fbs import EngineLayout as fbEngine
 from .fbfields import SCALAR, read_numbers, scalar_vector
+from .fbs import EngineLayout as fbEngine
 from .flatbuf import Table
 
 MAX_LAYOUT_DIMS = 64  # EngineLayout.stride_order entries (spec section 17)
@@ -63,7 +65,7 @@ def check_engine_layout(e: EngineLayout) -> None:
                              "dimensions of axes (KVW-HDR-19)")
 
 
-def build_engine_layout(b, e: EngineLayout) -> int:
+def build_engine_layout(b: flatbuffers.Builder, e: EngineLayout) -> int:
     """Write the EngineLayout table; empty strings, stride order and block size are omitted."""
     strings = {fid: b.CreateString(v) for fid, v in ((0, e.name), (1, e.axes), (4, e.engine)) if v}
     order = scalar_vector(b, "u1", e.stride_order) if e.stride_order else None
@@ -74,7 +76,8 @@ def build_engine_layout(b, e: EngineLayout) -> int:
         fbEngine.AddStrideOrder(b, order)
     if e.block_size:
         fbEngine.AddBlockSize(b, e.block_size)
-    return fbEngine.End(b)
+    end: int = fbEngine.End(b)
+    return end
 
 
 def read_engine_layout(t: Table | None) -> EngineLayout | None:

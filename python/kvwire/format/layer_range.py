@@ -11,11 +11,12 @@ calls ``layer_slice`` here, so that no caller forgets one of them. It must not i
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 HASH_SIZE = 32  # bytes per layer of ModelIdentity.layer_weights_fingerprints
 
 
-def layer_slice(h, start: int, stop: int):
+def layer_slice(h: Any, start: int, stop: int) -> Any:
     """``h`` reduced to its layers ``[start, stop)``: arch, ``layer_tokens``, ``kv_scales`` and
     ``layer_weights_fingerprints`` sliced, shared layers' ``source_layer`` renumbered, and no
     layer map (the caller adds the one it needs, e.g. receiver layer ``start + i`` a copy of

@@ -9,6 +9,7 @@ so a Gemma 3n-style container without a map reads the same way as one with alias
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,14 @@ class LayerSource:
     owner: int = -1
 
 
-def _stored(arch, t: int) -> int:
+def _stored(arch: Any, t: int) -> int:
     """The transmitted layer that holds ``t``'s chunks: its source when ``t`` is shared (KVW-MAP-5)."""
     s = arch.layers[t]
-    return s.source_layer if s.kind == "shared" else t
+    stored: int = s.source_layer if s.kind == "shared" else t
+    return stored
 
 
-def layer_for(header, receiver_layer: int) -> LayerSource:
+def layer_for(header: Any, receiver_layer: int) -> LayerSource:
     """Where receiver layer ``receiver_layer`` gets its cache from (KVW-MAP-6)."""
     arch, r = header.arch, receiver_layer
     if r < 0:
@@ -56,7 +58,7 @@ def layer_for(header, receiver_layer: int) -> LayerSource:
     return LayerSource(r, "alias", t, min(owners, default=-1))
 
 
-def resolve(layer_map, receiver_layers: int, reasons: list) -> list[tuple[str, int]]:
+def resolve(layer_map: Any, receiver_layers: int, reasons: list[str]) -> list[tuple[str, int]]:
     """(op, transmitted layer) for every receiver layer 0..receiver_layers-1; reasons for entries beyond it."""
     by_r = {e.receiver_layer: e for e in layer_map}
     for r in sorted(by_r):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def prefix_root(fingerprint: bytes, chunk_tokens: int) -> bytes:
     return hashlib.sha256(TAG_ROOT + struct.pack("<HII", PREFIX_SCHEME, chunk_tokens, len(fp)) + fp).digest()
 
 
-def token_bytes(tokens) -> bytes:
+def token_bytes(tokens: Any) -> bytes:
     a = np.asarray(tokens)
     if a.ndim != 1:
         raise ValueError("tokens must be a 1-D sequence of token ids")
@@ -41,7 +42,7 @@ def token_bytes(tokens) -> bytes:
     return a.astype("<u4").tobytes()
 
 
-def chain(tokens, chunk_tokens: int, root: bytes) -> bytes:
+def chain(tokens: Any, chunk_tokens: int, root: bytes) -> bytes:
     """Hashes of the chunks of ``tokens`` (cut every ``chunk_tokens``; the last may be partial), concatenated."""
     raw = memoryview(token_bytes(tokens))  # slices of a memoryview: the chunk's bytes are hashed in place
     step = 4 * chunk_tokens

@@ -11,6 +11,7 @@ them in the canonical order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ STATE = R.COMPONENTS["state"]
 STATE_CODECS = (R.CODECS["raw"], R.CODECS["zstd"])  # KVW-STATE-8: lossless, no codec spec
 
 
-def state_tables(h) -> tuple[np.ndarray, np.ndarray] | None:
+def state_tables(h: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """(tensor count [L], tensor nbytes [L, MAX_STATE_TENSORS]) of a header, None without state layers."""
     layers = h.arch.layers
     if not any(s.kind == "state" for s in layers):
@@ -42,7 +43,7 @@ class StateRows:
     nbytes: np.ndarray  # raw_length a state record must have
 
 
-def state_rows(tables, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray) -> StateRows | None:
+def state_rows(tables: tuple[np.ndarray, np.ndarray] | None, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray) -> StateRows | None:
     if tables is None:
         return None
     count, nbytes = tables
@@ -51,7 +52,7 @@ def state_rows(tables, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray) -> 
     return StateRows(mask, np.where(mask, count[layer] - 1, 0), nbytes[layer, head])
 
 
-def state_tensor_of(header, layer: int, index: int) -> tuple[str, tuple[int, ...]]:
+def state_tensor_of(header: Any, layer: int, index: int) -> tuple[str, tuple[int, ...]]:
     """(dtype, shape) of state tensor ``index`` of ``layer``: how its chunk's bytes are viewed."""
     t = header.arch.layers[layer].state_tensors[index]
     return t.dtype, t.shape
