@@ -130,3 +130,26 @@ def redis_cluster_url(redis_cluster):
         finally:
             c.close()
     yield redis_cluster.url
+
+
+# -- test tiers (tests/README.md): `make check` runs what no marker below takes; `make test` runs everything --
+
+REDIS_FIXTURES = {"redis_server", "redis_cluster", "redis_url", "redis_cluster_url"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers by what a test needs: ``native`` (libkvwire built: tests/c and every test using ``lib``),
+    ``redis`` (a real redis-server), ``vllm`` (real engines; set by the modules), ``slow`` (set where a test
+    is; soaks, campaigns, wheel builds, subprocess-heavy end-to-end runs)."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        folder = path.parent.name if path.parent != tests else ""
+        names = set(getattr(item, "fixturenames", ()))
+        if folder == "c" or "lib" in names:
+            item.add_marker(pytest.mark.native)
+            item.add_marker(pytest.mark.xdist_group("native"))  # one make -C c at a time (pytest -n, --dist loadgroup)
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))  # one engine at a time: each wants GiBs and both cores
+        if names & REDIS_FIXTURES or (folder == "store" and "redis" in path.name):
+            item.add_marker(pytest.mark.redis)

@@ -68,9 +68,8 @@ def test_planning_ahead_means_allocations_do_not_wait(stream):
     ring = OffloadRing(eb, 8, stream=stream)
     ring.plan([0, 1, 2, 3])  # end - start = 4: memory spent so that allocation finds pages offloaded
     ring.wait(ring.end)
-    t = time.perf_counter()
     assert ring.allocate(4) == [0, 1, 2, 3]
-    assert time.perf_counter() - t < DELAY / 2 and ring.stats["alloc_waits"] == 0
+    assert ring.stats["alloc_waits"] == 0  # no wall-clock bound: a loaded machine stalls anything
 
 
 def test_wrap_around(stream):

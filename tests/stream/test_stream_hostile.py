@@ -309,7 +309,7 @@ def test_reader_timeout_on_a_stalled_socket(prefetch):
         t = time.monotonic()
         with pytest.raises(stream.StreamTimeout) as e:
             stream.LayerReader(b, timeout=0.2, prefetch=prefetch).cache()
-        assert time.monotonic() - t < 5
+        assert time.monotonic() - t < 60  # timed out, did not hang (generous: a loaded CI machine)
         assert isinstance(e.value, TimeoutError) and e.value.timeout == 0.2
         assert e.value.transferred == cut
         msg = str(e.value)
@@ -326,7 +326,7 @@ def test_reader_timeout_on_a_stalled_pipe_before_the_header():
         t = time.monotonic()
         with pytest.raises(stream.StreamTimeout, match=r"the preamble \(bytes 10 of 32\); 10 bytes had arrived"):
             stream.LayerReader(r, timeout=0.1)
-        assert time.monotonic() - t < 5
+        assert time.monotonic() - t < 60  # timed out, did not hang (generous: a loaded CI machine)
         assert os.get_blocking(r)
     finally:
         os.close(r)
