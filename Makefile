@@ -48,24 +48,25 @@ docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict -q
 
 # The store tests start real Redis servers (tests/redisfix.py), TLS ones with certificates made by the
-# openssl CLI: install redis-server and openssl when they are missing.
+# openssl CLI; tests/format/test_schemas.py regenerates the flatbuffers code with flatc: installed when missing.
 test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
-	@for tool in redis-server openssl; do command -v $$tool >/dev/null 2>&1 || { \
+	@for pair in redis-server:redis-server openssl:openssl flatc:flatbuffers-compiler; do \
+	  tool=$${pair%%:*}; pkg=$${pair#*:}; command -v $$tool >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	    echo "installing $$tool (apt-get)"; \
-	    apt-get install -y -qq $$tool >/dev/null 2>&1 || \
-	      { apt-get update -qq && apt-get install -y -qq $$tool >/dev/null; } || exit 1; \
+	    echo "installing $$pkg (apt-get)"; \
+	    apt-get install -y -qq $$pkg >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq $$pkg >/dev/null; } || exit 1; \
 	  else \
-	    echo "make test needs $$tool: sudo apt-get install $$tool (or your system's package)" >&2; exit 1; \
+	    echo "make test needs $$tool: sudo apt-get install $$pkg (or your system's package)" >&2; exit 1; \
 	  fi; }; done
 	$(MAKE) docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The tiers (tests/README.md): `make check` for every change (lint, types and the unit tests: about two
 # minutes on 2 cores, no C build, no servers, no engines); `make test` runs every test, CI runs it.
-# Markers set in tests/conftest.py: native (libkvwire), redis (redis-server), vllm (engines), slow.
+# Markers (tests/README.md): native (libkvwire), redis (redis-server), vllm (engines), flatc, slow.
 TEST_WORKERS ?= 2
-UNIT := not (slow or vllm or native or redis)
+UNIT := not (slow or vllm or native or redis or flatc)
 check: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "$(UNIT)"
 
