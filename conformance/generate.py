@@ -1340,6 +1340,7 @@ import add_kv_scales  # noqa: E402  (revision 1.1: section 5.10, feature kv_scal
 import add_rotation  # noqa: E402  (revision 1.2: spec/codecs.md section 8, feature rotation)
 import add_turboquant  # noqa: E402  (revision 1.3: spec/codecs.md section 9, feature turboquant)
 import add_zstd_checksums  # noqa: E402  (revision 1.4: zstd content checksums, KVW-CODEC-4/5)
+import add_clarifications  # noqa: E402  (the 1.4 text clarifications, spec Appendix D)
 
 ADDITIONS = {
     "final_1_0": add_final.ADDITION,
@@ -1356,6 +1357,7 @@ ADDITIONS = {
     "rotation_kchan": add_rotation.ADDITION_KCHAN,
     "turboquant": add_turboquant.ADDITION,
     "zstd_checksums": add_zstd_checksums.ADDITION,
+    "clarifications_1_4": add_clarifications.ADDITION,
     "engine_layout": {
         "make": gen_engine_layout,
         "spec": "spec/kvwire-v1.md section 5.9 (header field 16, table EngineLayout)",

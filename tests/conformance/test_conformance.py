@@ -46,9 +46,10 @@ VECTORS = ROOT / "conformance" / "vectors"
 # 5645761f... (+ rotation: revision 1.2, spec/codecs.md section 8; format 1.2 containers),
 # c03d5d46... (+ rotation_kchan: the presets kchan4-vlloyd4 and kchan3-vlloyd2),
 # 8a718fe6... (+ turboquant: revision 1.3, spec/codecs.md section 9; format 1.3 containers),
-# 6860fa62... (+ zstd_checksums: revision 1.4, zstd content checksums, KVW-CODEC-4/5; minor-4 containers).
+# 6860fa62... (+ zstd_checksums: revision 1.4, zstd content checksums, KVW-CODEC-4/5; minor-4 containers),
+# af4d74e4... (+ clarifications_1_4: the decisions of the 1.4 text clarifications, spec Appendix D).
 PINNED_MANIFESTS = {
-    "1.0": "6860fa6296af341be334aa6d1a1e70fbcdf4988897dcf70129667495e6d751c8",
+    "1.0": "af4d74e4326862c0369100bf3e87d0ce6832e02f993e2045747865061f63ddbb",
 }
 # Regression vectors from fuzzing (append-only): "<version>/regressions/<name>": sha256 of the input.
 REGRESSIONS_PINNED: dict = {
