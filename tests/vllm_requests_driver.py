@@ -72,7 +72,7 @@ def main():
     }
     res = {name: conn.get_num_new_matched_tokens(r, 0)[0] for name, r in asks.items()}
     with open(out, "w") as f:
-        json.dump({"matched": res, "counts": conn.counts, "memory_refusal": refusal, "default_store": default}, f)
+        json.dump({"matched": res, "counts": conn.counts.as_dict(), "memory_refusal": refusal, "default_store": default}, f)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import xxhash
 
 from . import limits as L
 from .errors import ChecksumError, LayoutError, LimitError, MagicError, TruncatedError, VersionError
-from .header import parse_header
+from .header import Header, parse_header
 from .registry import FORMAT_MAJOR, FORMAT_MINOR
 
 MAGIC = b"\x89KVW\r\n\x1a\n"
@@ -251,3 +251,54 @@ def parse_trailer(buf, base: int = 0) -> tuple[int, bytes]:
         raise ChecksumError("INDEX_CHECKSUM", "index bytes do not match the trailer's checksum", rule="KVW-FILE-3")
     check_zero(buf, start + index_length, n - TRAILER_SIZE)
     return index_offset, index
+
+
+def trailer_fields(buf: bytes | memoryview | np.ndarray) -> tuple[int, int]:
+    """(index_offset, index_length) that the trailer ending ``buf`` states, not yet checked
+    (``parse_trailer`` checks them against the index): where a reader that holds only the
+    end of a file-form container finds the index (KVW-FILE-1)."""
+    if len(buf) < TRAILER_SIZE:
+        raise TruncatedError(f"trailer needs {TRAILER_SIZE} bytes, have {len(buf)}", needed=TRAILER_SIZE,
+                             rule="KVW-FILE-1")
+    index_offset, index_length, _, _, _ = _TRAILER.unpack(bytes(buf[len(buf) - TRAILER_SIZE :]))
+    return index_offset, index_length
+
+
+def file_size(index_offset: int, index_length: int) -> int:
+    """The size of a file-form container whose index is at ``index_offset``: the index ends
+    it, padded to 8 bytes, then the trailer (KVW-FILE-2)."""
+    return align_up(index_offset + index_length, 8) + TRAILER_SIZE
+
+
+# ---------------------------------------------------------------------------------------
+# Size bounds for a reader that fetches a container in ranges (a store's layer-wise loader)
+# ---------------------------------------------------------------------------------------
+
+def max_records(header: Header) -> int:
+    """An upper bound on the records of a container of ``header`` whose token range starts
+    anywhere: every component of every layer in at most ceil(tokens / chunk_tokens) + 1
+    grid chunks (one more than a range that starts on a chunk boundary needs)."""
+    return int(sum(len(s.components) for s in header.arch.layers) * (-(-header.token_count // header.chunk_tokens) + 1))
+
+
+def tail_bound(header: Header) -> int:
+    """Bytes from the end frame to the end of a file-form container of ``header``, at most:
+    the end frame, an index of ``max_records`` records (56 bytes each, and its FlatBuffer
+    table, under 256 bytes), its padding and the trailer. One suffix read of this many bytes
+    gets a reader the whole index."""
+    return FRAME_SIZE + RECORD_SIZE * max_records(header) + 256 + TRAILER_SIZE
+
+
+def tensor_bytes_per_token(header: Header) -> int:
+    """Tensor bytes of one token over every layer and component of ``header``."""
+    return int(header.itemsize) * sum(int(np.prod(s.shape(c, 1))) for s in header.arch.layers for c in s.components)
+
+
+def size_bound(header: Header, first_bytes: int) -> int:
+    """The largest file-form container of ``header`` whose preamble, header and padding take
+    ``first_bytes``: every tensor byte with 1% of codec overhead, then for each of at most
+    ``max_records`` records a chunk frame, its index record, its alignment padding and an end
+    frame's worth of slack, and 64 KiB for the index table and trailer. A trailer stating a
+    bigger size is refused before anything of that size is allocated."""
+    return int(first_bytes + tensor_bytes_per_token(header) * header.token_count * 101 // 100
+               + max_records(header) * (2 * FRAME_SIZE + RECORD_SIZE + header.alignment) + (64 << 10))

@@ -65,12 +65,14 @@ from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, default_store_url, open_store
 from .vllm_identity import reason_kind, request_identity
 from ..store.auth import Keyring
-from .vllm_engine import engine_layout_of, kv_packing, layer_scales_of, model_config_json, platform_fp8
+from ..layouts import gather_slots, scatter_slots
+from .vllm_engine import engine_layout_of, layer_packing, layer_scales_of, model_config_json, platform_fp8
 from .vllm_pipeline import LayerPipeline, same_scales
 from .vllm_plan import (
-    FP8_TORCH, LoadSpec, ModelKey, RequestState, SaveSpec, cache_dtype_of, chunk_cache, chunks_to_save, gather_layer,
-    layer_index, matched_tokens, scatter_layer, slots, tail_to_save,
+    FP8_TORCH, LoadSpec, ModelKey, RequestState, SaveSpec, cache_dtype_of, chunk_cache, chunks_to_save,
+    layer_index, matched_tokens, slots, tail_to_save,
 )
+from .vllm_stats import ConnectorCounts, connector_stats
 
 log = logging.getLogger("kvwire.vllm")
 
@@ -120,8 +122,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
         self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
         self.store_url = self.kv.store.url  # redacted (KVW-STORE-39): it goes to the log and the stats file
-        self.counts = dict(lookups=0, lookup_errors=0, matched_tokens=0, loaded_tokens=0, load_failed_tokens=0,
-                           saved_chunks=0, save_errors=0, skipped_chunks=0, rescaled_loads=0, unbindable=0)
+        self.counts = ConnectorCounts()
         # scheduler side
         self._reqs: dict[str, RequestState] = {}
         self._pending_load: dict[str, tuple[int, int]] = {}
@@ -132,7 +133,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self._order: list[str] = []
         self._index: dict[str, int] = {}
         self.engine_layout = None
-        self._packing: list[str] = []
+        self._packing: list[tuple] = []  # per layer (packing, cpu_isa): kvwire.layouts' gather_slots arguments
         self._pipe: LayerPipeline | None = None
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
@@ -146,7 +147,7 @@ class KVWireConnector(KVConnectorBase_V1):
         if identity is None:  # KVW-IDENT-1: neither loaded nor saved
             self._idents.pop(request.request_id, None)
             self._pending_load.pop(request.request_id, None)
-            self.counts["unbindable"] += 1
+            self.counts.add("unbindable")
             if reason_kind(why) not in self._unbound_logged:
                 self._unbound_logged.add(reason_kind(why))
                 log.warning("kvwire: request %s not looked up or saved: its identity cannot be bound: %s",
@@ -155,7 +156,7 @@ class KVWireConnector(KVConnectorBase_V1):
             return 0, False
         self._idents[request.request_id] = identity
         prompt = list(request.prompt_token_ids or [])
-        self.counts["lookups"] += 1
+        self.counts.add("lookups")
         try:
             hit = self.kv.lookup(prompt, self.key.space, local=None if self.fp8 else self.local,
                                  partial=self.save_partial, identity=identity)
@@ -164,7 +165,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 if not check_compatible(hit.header, replace(self.local, kv_scales=hit.header.kv_scales)):
                     hit = replace(hit, chunks=0, tokens=0)
         except StoreError as exc:  # the store is down: no hit, vLLM computes
-            self.counts["lookup_errors"] += 1
+            self.counts.add("lookup_errors")
             log.warning("kvwire lookup failed, treating as a miss: %s", exc)
             self._write_stats(True)
             return 0, False
@@ -193,7 +194,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 start, stop = load
                 meta.loads.append(LoadSpec(new.req_id, prompt[:-(-stop // C) * C], start, stop, st.block_ids,
                                            st.identity))
-                self.counts["matched_tokens"] += stop - start
+                self.counts.add("matched_tokens", stop - start)
                 st.saved = stop // C  # chunks that came from the store are there already
                 st.tail_saved = stop > len(prompt) // C * C  # the load used the stored partial chunk
             self._plan_save(meta, st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
@@ -247,7 +248,7 @@ class KVWireConnector(KVConnectorBase_V1):
             if t.dim() != 4 or t.shape[2] != self.block_size or t.shape[3] != want_c or t.shape[1] != spec.num_kv_heads:
                 raise ValueError(f"{name}: KV buffer {tuple(t.shape)} is not vLLM 0.32's [blocks, {spec.num_kv_heads} "
                                  f"heads, {self.block_size} tokens, {want_c} channels] view")
-        self._packing = [kv_packing(self._vllm_config, name, spec, self.block_size)
+        self._packing = [layer_packing(self._vllm_config, name, spec, self.block_size)
                          for name, spec in zip(self._order, self.arch.layers)]
         self.engine_layout = engine_layout_of(self._vllm_config, self._order, [kv_caches[n] for n in self._order],
                                               self.arch, self.block_size)
@@ -256,9 +257,6 @@ class KVWireConnector(KVConnectorBase_V1):
         """The per-layer (k_scale, v_scale) of an fp8 cache (None otherwise), read when used:
         vLLM may compute them at the first forward pass."""
         return layer_scales_of(self._vllm_config, self._order, self.arch) if self.fp8 else None
-
-    def _mla(self, i: int) -> bool:
-        return self.arch.layers[i].kind == "mla_latent"
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
@@ -286,24 +284,23 @@ class KVWireConnector(KVConnectorBase_V1):
         served = 0 if got is None or got.cache is None else min(got.tokens, spec.stop)
         if served and not same_scales(got.cache.header, self._scales()):  # requantized to ours (KVW-SCALE-7)
             got = replace(got, cache=rescale_cache(got.cache, self._scales()))
-            self.counts["rescaled_loads"] += 1
+            self.counts.add("rescaled_loads")
         if served > spec.start:
             ids = slots(spec.block_ids, self.block_size, spec.start, served)
             for i, name in enumerate(self._order):
                 layer = {c: x[:, spec.start:served] for c, x in got.cache.layers[i].items()}
-                scatter_layer(self._layers[name], ids, layer, self.arch.layers[i].head_dim_k, self._mla(i),
-                              self._packing[i])
+                scatter_slots(self._layers[name], ids, layer, self.arch.layers[i].head_dim_k, *self._packing[i])
         self._loaded(spec, served)
 
     def _loaded(self, spec: LoadSpec, served: int) -> None:
         """Count a load that put tokens [start, served) in place; vLLM recomputes the rest."""
         served = min(served, spec.stop)
         if served > spec.start:
-            self.counts["loaded_tokens"] += served - spec.start
+            self.counts.add("loaded_tokens", served - spec.start)
         if served < spec.stop:  # vLLM recomputes these blocks (kv_load_failure_policy "recompute")
             first = max(served, spec.start) // self.block_size
             self._load_errors.update(spec.block_ids[first:-(-spec.stop // self.block_size)])
-            self.counts["load_failed_tokens"] += spec.stop - max(served, spec.start)
+            self.counts.add("load_failed_tokens", spec.stop - max(served, spec.start))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._pipe is None:
@@ -314,8 +311,8 @@ class KVWireConnector(KVConnectorBase_V1):
                 n = 0 if arrays is None else min(next(iter(arrays.values())).shape[1], spec.stop)
                 if n > spec.start:
                     ids = slots(spec.block_ids, self.block_size, spec.start, n)
-                    scatter_layer(self._layers[layer_name], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
-                                  self.arch.layers[i].head_dim_k, self._mla(i), self._packing[i])
+                    scatter_slots(self._layers[layer_name], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
+                                  self.arch.layers[i].head_dim_k, *self._packing[i])
         finally:
             self._pipe.done(i)
 
@@ -324,7 +321,7 @@ class KVWireConnector(KVConnectorBase_V1):
         if self._pipe is None:
             return
         pipe, self._pipe = self._pipe, None
-        self.counts["rescaled_loads"] += pipe.rescaled
+        self.counts.add("rescaled_loads", pipe.rescaled)
         for spec, served in zip(self._piped, pipe.close()):
             self._loaded(spec, served)
         self._piped = []
@@ -338,8 +335,8 @@ class KVWireConnector(KVConnectorBase_V1):
         C = self.chunk_tokens
         for spec in meta.saves:
             ids = slots(spec.block_ids, self.block_size, *spec.token_range(C))
-            self._gathered.setdefault(spec.req_id, {})[i] = gather_layer(
-                kv_layer, ids, self.arch.layers[i].head_dim_k, self._mla(i), self._packing[i])
+            self._gathered.setdefault(spec.req_id, {})[i] = gather_slots(
+                kv_layer, ids, self.arch.layers[i].head_dim_k, *self._packing[i])
 
     def wait_for_save(self):
         self._finish_loads()
@@ -355,10 +352,9 @@ class KVWireConnector(KVConnectorBase_V1):
             try:
                 res = self.kv.put_cache(cache, spec.tokens, codec=self.codec, tp_rank=self.key.space.tp_rank,
                                         tp_size=self.key.space.tp_size, partial=spec.partial, identity=spec.identity)
-                self.counts["saved_chunks"] += res.written
-                self.counts["skipped_chunks"] += res.skipped
+                self.counts.add(saved_chunks=res.written, skipped_chunks=res.skipped)
             except StoreError as exc:  # a lost save is a later miss, never an error for the request
-                self.counts["save_errors"] += 1
+                self.counts.add("save_errors")
                 log.warning("kvwire save of %s failed: %s", spec.req_id, exc)
         self._gathered.clear()
         self._write_stats(bool(meta.saves))
@@ -369,7 +365,7 @@ class KVWireConnector(KVConnectorBase_V1):
 
     # == stats ==================================================================================
     def stats(self) -> dict:
-        return {**self.counts, "store": self.kv.stats(), "store_url": self.store_url}
+        return connector_stats(self.counts, self.kv, self.store_url)
 
     def _write_stats(self, changed: bool) -> None:
         if not (changed and self.stats_path):

@@ -46,22 +46,26 @@ import numpy as np
 
 from ..cache.encoder import iter_buffers
 from ..cache.kvcache import KVCache
-from ..cache.reader import Reader, probe
+from ..cache.reader import Reader
 from ..cache.tensors import as_numpy, carve
+from ..format.container import tensor_bytes_per_token
 from ..format.crossmodel import PrefixChain
-from ..format.errors import ChecksumError, FormatError, TruncatedError
+from ..format.errors import ChecksumError, FormatError
 from ..format.header import TokenRange
 from ..format.prefix import PREFIX_SCHEME, prefix_root
 from ..model.compat import LocalModel, check_compatible
-from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
-from .identity import with_identity
-from .keys import KeySpace, codec_fidelity, header_mismatches, held_layers, range_map
 from .auth import Keyring
-from .tagged import TagChecks, read_heads
+from .base import BATCH_BYTES, LOCAL_BATCH_BYTES, Store
+from .counters import KVStoreCounts
+from .identity import with_identity
+from .keys import KeySpace, codec_fidelity, held_layers, range_map
+from .objects import HEAD_BYTES, Opened, open_heads, request_keys
+from .tagged import TagChecks
 
 # Layer kinds whose cache is one row per token, so a chunk of tokens is a slice of every layer.
 TOKEN_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "mla_latent")
-HEAD_BYTES = 64 << 10  # first ranged read of an object: enough for the header of any usual model
+
+
 @dataclass
 class PutResult:
     keys: list = field(default_factory=list)
@@ -108,9 +112,7 @@ class KVStore(TagChecks):
         if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes < 1:
             raise ValueError(f"batch_bytes must be None or a positive int, not {batch_bytes!r}")
         self.store, self.batch_bytes, self.auth = store, batch_bytes, auth
-        self.counts = dict(hits=0, misses=0, queries=0, objects_written=0, objects_skipped=0,
-                           checksum_failures=0, corrupt=0, incompatible=0, bytes_read=0, bytes_written=0,
-                           auth_failures=0, auth_healed=0)
+        self.counts = KVStoreCounts()  # updated under its lock: a layer-wise load runs on a thread
         self.last_get = dict(seconds=0.0, bytes=0, tensor_bytes=0)
         self.last_put = dict(seconds=0.0, bytes=0, tensor_bytes=0)
 
@@ -132,14 +134,13 @@ class KVStore(TagChecks):
         space, toks, sub = self._check_cache(cache, tokens, codec, tp_rank, tp_size, layers)
         h, C = sub.header, space.chunk_tokens
         F = h.first_position // C  # the cache's first chunk
-        hashes = space.hashes(toks, partial=partial)
-        spaces = space.chunk_spaces(len(hashes), identity)  # KVW-IDENT-4: one digest per chunk
-        keys = [sp.key(x) for sp, x in zip(spaces[F:], hashes[F:])]
+        hashes, spaces, keys = request_keys(space, toks, partial=partial, identity=identity)  # KVW-IDENT-4
+        keys = keys[F:]
         there = [True] * F + self.present(keys)  # with auth: an untagged object is written again
         keys = [None] * F + keys
         out = PutResult(keys=keys[F:], skipped=sum(map(bool, there[F:])))
         root = prefix_root(space.fingerprint, C)
-        per_token = token_bytes(h)
+        per_token = tensor_bytes_per_token(h)
         batch: list = []
         size = tensor = 0
         for k, (key, present) in enumerate(zip(keys, there)):
@@ -161,9 +162,7 @@ class KVStore(TagChecks):
             tensor += per_token * (b - a)
         if batch:
             self._put_batch(batch, out)
-        self.counts["objects_written"] += out.written
-        self.counts["objects_skipped"] += out.skipped
-        self.counts["bytes_written"] += out.bytes_out
+        self.counts.add(objects_written=out.written, objects_skipped=out.skipped, bytes_written=out.bytes_out)
         self.last_put = dict(seconds=time.perf_counter() - t0, bytes=out.bytes_out, tensor_bytes=tensor)
         return out
 
@@ -216,7 +215,7 @@ class KVStore(TagChecks):
     # -- the hit query -------------------------------------------------------------------
     def leading_hits(self, keys) -> int:
         """How many leading ``keys`` have an object: one batch exists call, no bytes read."""
-        self.counts["queries"] += 1
+        self.counts.add("queries")
         return self.store.leading(list(keys))
 
     def lookup(self, tokens, space: KeySpace, *, local=None, partial: bool = False, identity=None) -> Lookup:
@@ -231,26 +230,21 @@ class KVStore(TagChecks):
             raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
         if local is not None and not isinstance(local, LocalModel):
             raise TypeError(f"local must be None or a kvwire.LocalModel, not {type(local).__name__}")
-        trips0, hashes = self.store.stats.round_trips, space.hashes(tokens, partial=partial)
-        spaces = space.chunk_spaces(len(hashes), identity)
-        keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
+        trips0 = self.store.stats.round_trips
+        hashes, spaces, keys = request_keys(space, tokens, partial=partial, identity=identity)
         n = self.leading_hits(keys)
         if not n:
             return Lookup(0, 0, round_trips=self.store.stats.round_trips - trips0)
-        (head,), (tag,) = read_heads(self.store, keys[:1], self.auth, HEAD_BYTES)  # one batch
-        read = [sum(len(x) for x in (head, tag) if x is not None)]
-        got = None if head is None else self.check_head(keys[0], head, 0, hashes[0], spaces[0], [], read)
-        if got is not None and self.auth is not None and self.verify_head(got, tag) is None:
-            got = None  # KVW-AUTH-7
-        trips = self.store.stats.round_trips - trips0
-        if got is None:
-            return Lookup(0, 0, bytes_read=read[0], round_trips=trips)
-        header = got[1]
+        opened = open_heads(self, keys, hashes, spaces, count=1)  # one batch, with the tag (KVW-AUTH-7)
+        trips, read = self.store.stats.round_trips - trips0, opened.bytes_read
+        if not opened.heads:
+            return Lookup(0, 0, bytes_read=read, round_trips=trips)
+        header = opened.heads[0].header
         verdict = None if local is None else check_compatible(header, local)
         if verdict is not None and not verdict:
-            return Lookup(0, 0, header, verdict, read[0], trips)
+            return Lookup(0, 0, header, verdict, read, trips)
         C, T = space.chunk_tokens, len(np.asarray(tokens))
-        return Lookup(n, min(n * C, T), header, verdict, read[0], trips)
+        return Lookup(n, min(n * C, T), header, verdict, read, trips)
 
     # -- reading -------------------------------------------------------------------------
     def get_cache(self, tokens, space: KeySpace, n_chunks: int | None = None, *, identity=None) -> LoadResult:
@@ -261,114 +255,69 @@ class KVStore(TagChecks):
             raise TypeError(f"space must be a kvwire.store.KeySpace (KeySpace.of(header)), not {type(space).__name__}")
         if n_chunks is not None and (not isinstance(n_chunks, int) or isinstance(n_chunks, bool) or n_chunks < 0):
             raise ValueError(f"n_chunks must be None or an int >= 0, not {n_chunks!r}")
-        toks = np.asarray(tokens)
-        if n_chunks is not None and toks.ndim == 1:
-            toks = toks[:n_chunks * space.chunk_tokens]  # the chain is sequential: later tokens change nothing
-        hashes = space.hashes(toks, partial=True)
-        spaces = space.chunk_spaces(len(hashes), identity)
-        keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
-        heads, tags = read_heads(self.store, keys, self.auth, HEAD_BYTES)  # with auth: the tags in the batch
-        read = [sum(len(x) for x in heads + tags if x is not None)]  # object bytes this call read
-        checked: list = []  # (key, header, first bytes) of the leading objects whose header passed
-        verified: list = []  # their tags (KVW-AUTH-6), with auth
-        for k, (key, head) in enumerate(zip(keys, heads)):
-            got = None if head is None else self.check_head(key, head, k, hashes[k], spaces[k], checked, read)
-            tag = None if got is None or self.auth is None else self.verify_head(got, tags[k])
-            if got is None or (self.auth is not None and tag is None):
-                break
-            checked.append(got)
-            verified.append(tag)
-        del heads
-        cache, hits, total = self._decode_all(checked, space, hashes, read, verified)
-        self.counts["hits"] += hits
-        self.counts["misses"] += len(keys) - hits
-        self.counts["bytes_read"] += read[0]
-        self.last_get = dict(seconds=time.perf_counter() - t0, bytes=read[0],
+        hashes, spaces, keys = request_keys(space, tokens, n_chunks=n_chunks, identity=identity)
+        opened = open_heads(self, keys, hashes, spaces)  # headers checked, tags verified (KVW-STORE-17, AUTH-6)
+        cache, hits, total = self._decode_all(opened, space)
+        self.counts.add(hits=hits, misses=len(opened.keys) - hits, bytes_read=opened.bytes_read)
+        self.last_get = dict(seconds=time.perf_counter() - t0, bytes=opened.bytes_read,
                              tensor_bytes=cache.nbytes if cache is not None else 0)
         return LoadResult(cache, total, hits)
 
     load = get_cache
 
-    def check_head(self, key, head, k, want_hash, space, checked, read):
-        """(key, header, head) when object ``k`` of a request (first bytes ``head``, chain
-        hash ``want_hash``, after the ``checked`` ones) is the one the key promises, else None
-        (the object counted and deleted: KVW-STORE-17); ``read[0]`` counts bytes read."""
-        try:
-            try:
-                h = probe(head)
-            except TruncatedError as exc:
-                if exc.needed is None or len(head) < HEAD_BYTES:
-                    raise  # the whole object was read and is short: corrupt
-                head = self.store.get(key, (0, exc.needed))
-                if head is None:
-                    return None
-                read[0] += len(head)
-                h = probe(head)
-        except FormatError:
-            self.counts["corrupt"] += 1
-            self.store.delete(key)
-            return None
-        if not self._matches(h, k, want_hash, space, checked):
-            self.counts["incompatible"] += 1
-            self.store.delete(key)
-            return None
-        return key, h, head
+    def discard(self, key: str, reason: str) -> None:
+        """Count a bad object under ``reason`` ("corrupt", "incompatible" or
+        "checksum_failures") and delete it: it is never served again (KVW-STORE-17). For
+        this package's readers (``objects``, ``layerwise``), not an API."""
+        self.counts.add(reason)
+        self.store.delete(key)
 
-    @staticmethod
-    def _matches(h, k, want_hash, space, checked) -> bool:
-        """KVW-STORE-17: the header is the key's (``header_mismatches``), at the key's
-        position in this request, and joins the chunks before it (same architecture and fp8
-        scales: one request's cache has one set, KVW-SCALE-7)."""
-        return (not header_mismatches(h, space, want_hash) and h.first_position == k * space.chunk_tokens
-                and (not checked or (h.arch == checked[0][1].arch and h.kv_scales == checked[0][1].kv_scales
-                                     and checked[-1][1].token_count == space.chunk_tokens)))
-
-    def _decode_all(self, checked, space, hashes, read, verified):
-        """(cache, chunks served, tokens) of the checked objects: bodies by batched
+    def _decode_all(self, opened: Opened, space):
+        """(cache, chunks served, tokens) of the opened objects: bodies by batched
         ``get_many``, each decoded into its token slice of arrays of the final size."""
+        checked = opened.heads
         if not checked:
             return None, 0, 0
-        first = checked[0][1]
-        total = sum(h.token_count for _, h, _ in checked)
+        first = checked[0].header
+        total = sum(x.header.token_count for x in checked)
         shapes = [s.shape(c, total) for s in first.arch.layers for c in s.components]
         slabs = iter(carve(shapes, first.dtype, "numpy"))  # one allocation of the final size: huge pages
         outs = [{c: next(slabs) for c in s.components} for s in first.arch.layers]
-        per_token, C = token_bytes(first), space.chunk_tokens
+        per_token, C = tensor_bytes_per_token(first), space.chunk_tokens
         hits, i = 0, 0
         while i == hits < len(checked):
             j, size = i, 0  # the next batch: objects i..j-1 of at most batch_bytes (estimated: tensor bytes)
-            while j < len(checked) and (j == i or size + per_token * checked[j][1].token_count <= self.batch_bytes):
-                size += per_token * checked[j][1].token_count
+            while j < len(checked) and (j == i or size + per_token * checked[j].header.token_count <= self.batch_bytes):
+                size += per_token * checked[j].header.token_count
                 j += 1
-            need = [n for n in range(i, j) if len(checked[n][2]) >= HEAD_BYTES]  # the rest were read whole
-            bodies = dict(zip(need, self.store.get_many([checked[n][0] for n in need]))) if need else {}
-            read[0] += sum(len(x) for x in bodies.values() if x is not None)
+            need = [n for n in range(i, j) if not checked[n].whole]  # the rest were read whole
+            bodies = dict(zip(need, self.store.get_many([checked[n].key for n in need]))) if need else {}
+            opened.bytes_read += sum(len(x) for x in bodies.values() if x is not None)
             for n in range(i, j):
-                key, h, head = checked[n]
-                buf = bodies.pop(n, head)
-                if buf is None or not self._decode_into(key, h, head, buf, outs, n * C, verified[n]):
+                buf = bodies.pop(n, checked[n].first)
+                if buf is None or not self._decode_into(checked[n], buf, outs, n * C):
                     break  # evicted between the two reads, or corrupt: the hits end here
                 hits += 1
             i = j
         if not hits:
             return None, 0, 0
-        served = sum(h.token_count for _, h, _ in checked[:hits])
+        served = sum(x.header.token_count for x in checked[:hits])
         if served < total:  # the leading tokens only: views, no second copy
             outs = [{c: x[:, :served, :] for c, x in layer.items()} for layer in outs]
         header = first.replace(token_count=served, first_position=0, metadata=with_identity(first.metadata, None),
                                prefix=PrefixChain(
-            PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(hashes[:hits])))
+            PREFIX_SCHEME, prefix_root(space.fingerprint, C), b"".join(opened.hashes[:hits])))
         return KVCache(header, outs), hits, served
 
-    def _decode_into(self, key, h, head, buf, outs, start: int, tag=None) -> bool:
-        """Decode one object, checksums (and with ``tag``, its digests: KVW-AUTH-6) verified,
-        into tokens [start, start + count) of ``outs``; False (the object counted and
-        deleted) when it fails."""
+    def _decode_into(self, head, buf, outs, start: int) -> bool:
+        """Decode one opened object (``head``: an ``objects.Head``), checksums (and with a
+        tag, its digests: KVW-AUTH-6) verified, into tokens [start, start + count) of
+        ``outs``; False (the object counted and deleted) when it fails."""
+        key, h, tag = head.key, head.header, head.tag
         try:
-            r = Reader(buf, known_header=(h, head))  # header bytes as checked: not parsed again
+            r = Reader(buf, known_header=(h, head.first))  # header bytes as checked: not parsed again
             if r.header != h:  # objects are immutable: a changed one is not the one checked
-                self.counts["incompatible"] += 1
-                self.store.delete(key)
+                self.discard(key, "incompatible")
                 return False
             if tag is not None and not (self.verify_index(key, tag, r, buf) and self.verify_bodies(key, tag, r, buf)):
                 return False  # counted (and a forged one deleted) by the tag checks
@@ -377,10 +326,9 @@ class KVStore(TagChecks):
                 r.layer(i, verify=tag is None, out={c: x[:, start:stop, :] for c, x in layer.items()})
             return True
         except ChecksumError:
-            self.counts["checksum_failures"] += 1
+            self.discard(key, "checksum_failures")
         except FormatError:
-            self.counts["corrupt"] += 1
-        self.store.delete(key)
+            self.discard(key, "corrupt")
         return False
 
     # -- stats ---------------------------------------------------------------------------
@@ -390,19 +338,14 @@ class KVStore(TagChecks):
         ``get_cache``/``put_cache`` (``last_get_*``/``last_put_*``: seconds, object bytes,
         tensor bytes, and ``*_gbps`` = tensor bytes / wall seconds / 1e9; a put counts only
         the chunks it encoded) and its store's byte and eviction counters."""
-        s = self.store.stats
-        asked = self.counts["hits"] + self.counts["misses"]
+        s, counts = self.store.stats, self.counts.as_dict()
+        asked = counts["hits"] + counts["misses"]
         last = {}
         for name, d in (("get", self.last_get), ("put", self.last_put)):
             last.update({f"last_{name}_{k}": v for k, v in d.items()})
             last[f"last_{name}_gbps"] = d["tensor_bytes"] / d["seconds"] / 1e9 if d["seconds"] else 0.0
-        return {**self.counts, "hit_rate": self.counts["hits"] / asked if asked else 0.0, **last,
+        return {**counts, "hit_rate": counts["hits"] / asked if asked else 0.0, **last,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
-
-
-def token_bytes(header) -> int:
-    """Tensor bytes of one token over every layer and component of ``header``."""
-    return header.itemsize * sum(int(np.prod(s.shape(c, 1))) for s in header.arch.layers for c in s.components)
 
 
 def _layer_range(layers, held) -> tuple[int, int]:

@@ -26,25 +26,15 @@ rest.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from ..cache.reader import Reader
 from ..cache.tensors import empty
-from ..format.container import FRAME_SIZE, TRAILER_SIZE, align_up
+from ..format.container import FRAME_SIZE, TRAILER_SIZE, file_size, size_bound, tail_bound, trailer_fields
 from ..format.errors import ChecksumError, FormatError
 from .keys import KeySpace
-from .kvstore import HEAD_BYTES, KVStore, token_bytes
-from .tagged import read_heads
-
-RECORD_BYTES = 56  # a ChunkRecord in the index vector
-
-
-def max_records(h) -> int:
-    """An upper bound on a chunk object's records: every component of every layer, in at
-    most ceil(tokens / C) + 1 grid chunks (a store object has one)."""
-    return sum(len(s.components) for s in h.arch.layers) * (-(-h.token_count // h.chunk_tokens) + 1)
+from .kvstore import KVStore
+from .objects import open_heads, request_keys
 
 
 class LayerwiseLoad:
@@ -60,94 +50,75 @@ class LayerwiseLoad:
         if n_chunks is not None and (not isinstance(n_chunks, int) or isinstance(n_chunks, bool) or n_chunks < 0):
             raise ValueError(f"n_chunks must be None or an int >= 0, not {n_chunks!r}")
         self.kv, self.space = kv, space
-        toks = np.asarray(tokens)
-        if n_chunks is not None and toks.ndim == 1:
-            toks = toks[:n_chunks * space.chunk_tokens]
-        hashes = space.hashes(toks, partial=True)
-        spaces = space.chunk_spaces(len(hashes), identity)
-        self.keys = [sp.key(x) for sp, x in zip(spaces, hashes)]
-        read = [0]
-        heads, tags = read_heads(kv.store, self.keys, kv.auth, HEAD_BYTES)  # with auth: the tags in the batch
-        read[0] += sum(len(x) for x in heads + tags if x is not None)
-        checked: list = []
-        self.tags: list = []  # with auth: each opened object's verified tag (KVW-AUTH-6)
-        for k, (key, head) in enumerate(zip(self.keys, heads)):
-            got = None if head is None else kv.check_head(key, head, k, hashes[k], spaces[k], checked, read)
-            tag = None if got is None or kv.auth is None else kv.verify_head(got, tags[k])
-            if got is None or (kv.auth is not None and tag is None):
-                break
-            checked.append(got)
-            self.tags.append(tag)
+        hashes, spaces, keys = request_keys(space, tokens, n_chunks=n_chunks, identity=identity)
+        opened = open_heads(kv, keys, hashes, spaces)  # as get_cache opens them (KVW-STORE-17, KVW-AUTH-6)
+        self.keys = opened.keys
         self.readers: list[Reader] = []
         self.buffers: list = []
-        self._open(checked, read)
+        self.tags: list = []  # with auth: each opened object's verified tag (KVW-AUTH-6)
+        self._open(opened)
         self.header = self.readers[0].header if self.readers else None
         self.starts = [r.header.first_position for r in self.readers]
         self.tokens = sum(r.header.token_count for r in self.readers)  # what the objects that opened hold
         self.served = self.tokens
         self._pending: dict[int, list] = {}
-        kv.counts["bytes_read"] += read[0]
-        kv.counts["hits"] += len(self.readers)
-        kv.counts["misses"] += len(self.keys) - len(self.readers)
+        kv.counts.add(bytes_read=opened.bytes_read, hits=len(self.readers), misses=len(self.keys) - len(self.readers))
 
     # -- opening: headers checked, then every object's end frame, index and trailer --------
-    def _open(self, checked, read) -> None:
-        whole = [len(head) < HEAD_BYTES for _, _, head in checked]  # the first read got the whole object
+    def _open(self, opened) -> None:
+        heads = opened.heads
         tails = {}
-        need = [n for n, w in enumerate(whole) if not w]
+        need = [n for n, x in enumerate(heads) if not x.whole]  # the rest: the first read got the whole object
         if need:
-            guess = {n: FRAME_SIZE + RECORD_BYTES * max_records(checked[n][1]) + 256 + TRAILER_SIZE for n in need}
-            size = max(guess.values())
-            got = self.kv.store.get_many([checked[n][0] for n in need], (-size, None))
-            read[0] += sum(len(x) for x in got if x is not None)
+            size = max(tail_bound(heads[n].header) for n in need)  # end frame, index and trailer
+            got = self.kv.store.get_many([heads[n].key for n in need], (-size, None))
+            opened.bytes_read += sum(len(x) for x in got if x is not None)
             tails = dict(zip(need, got))
-        for n, (key, h, head) in enumerate(checked):
-            buf = head if whole[n] else self._assemble(key, h, head, tails.get(n), read)
+        for n, x in enumerate(heads):
+            buf = x.first if x.whole else self._assemble(x, tails.get(n), opened)
             if buf is None:
                 break  # evicted between the two reads, or corrupt: the hits end here
             try:
-                r = Reader(buf, known_header=(h, head))  # the header checked above is not parsed again
+                r = Reader(buf, known_header=(x.header, x.first))  # the header checked above is not parsed again
             except FormatError:
-                self._bad(key, "corrupt")
+                self.kv.discard(x.key, "corrupt")
                 break
-            if r.header != h:  # objects are immutable: a changed one is not the one checked
-                self._bad(key, "incompatible")
+            if r.header != x.header:  # objects are immutable: a changed one is not the one checked
+                self.kv.discard(x.key, "incompatible")
                 break
-            if self.tags[n] is not None and not self.kv.verify_index(key, self.tags[n], r, buf):
+            if x.tag is not None and not self.kv.verify_index(x.key, x.tag, r, buf):
                 break  # the index is not the tagged one: counted, deleted (KVW-AUTH-6)
             self.readers.append(r)
             self.buffers.append(buf)
+            self.tags.append(x.tag)
 
-    def _assemble(self, key, h, head, tail, read):
-        """An object-sized buffer holding the first bytes and the tail (end frame, index,
-        trailer), or None (a miss: evicted, or corrupt and deleted)."""
+    def _assemble(self, x, tail, opened):
+        """An object-sized buffer holding the first bytes of ``x`` (an ``objects.Head``) and
+        the tail (end frame, index, trailer), or None (a miss: evicted, or corrupt and
+        deleted)."""
         if tail is None:
             return None
-        if len(tail) < TRAILER_SIZE:
-            return self._bad(key, "corrupt")
-        index_offset, index_length = struct.unpack_from("<QI", tail, len(tail) - TRAILER_SIZE)
-        size = align_up(index_offset + index_length, 8) + TRAILER_SIZE  # KVW-FILE-2
-        bound = (len(head) + token_bytes(h) * h.token_count * 101 // 100
-                 + max_records(h) * (2 * FRAME_SIZE + RECORD_BYTES + h.alignment) + (64 << 10))
+        head = x.first
+        try:
+            index_offset, index_length = trailer_fields(tail)
+        except FormatError:
+            return self.kv.discard(x.key, "corrupt")
+        size = file_size(index_offset, index_length)  # KVW-FILE-2
         want = size - (index_offset - FRAME_SIZE)  # end frame, index, padding, trailer
-        if not (len(head) <= size <= bound and FRAME_SIZE + TRAILER_SIZE <= want <= size) or len(tail) > size:
-            return self._bad(key, "corrupt")  # no allocation on a size the header cannot justify
+        if not (len(head) <= size <= size_bound(x.header, len(head)) and FRAME_SIZE + TRAILER_SIZE <= want <= size) \
+                or len(tail) > size:
+            return self.kv.discard(x.key, "corrupt")  # no allocation on a size the header cannot justify
         if len(tail) < want:  # the index is longer than guessed: one more suffix read
-            tail = self.kv.store.get(key, (-want, None))
+            tail = self.kv.store.get(x.key, (-want, None))
             if tail is None:
                 return None
-            read[0] += len(tail)
+            opened.bytes_read += len(tail)
             if len(tail) != want:
-                return self._bad(key, "corrupt")
+                return self.kv.discard(x.key, "corrupt")
         buf = np.empty(size, np.uint8)  # every byte a check reads is filled before it is read
         buf[:len(head)] = np.frombuffer(head, np.uint8)
         buf[size - len(tail):] = np.frombuffer(tail, np.uint8)
         return buf
-
-    def _bad(self, key, what: str) -> None:
-        self.kv.counts[what] += 1
-        self.kv.store.delete(key)
-        return None
 
     # -- one layer ----------------------------------------------------------------------
     def layer_requests(self, layer: int) -> list:
@@ -176,11 +147,11 @@ class LayerwiseLoad:
                 self._cut(n, None if data is None else "corrupt")  # evicted, or shorter than its index says
                 continue
             self.buffers[n][lo:hi] = np.frombuffer(data, np.uint8)
-            self.kv.counts["bytes_read"] += hi - lo
+            self.kv.counts.add("bytes_read", hi - lo)
 
     def _cut(self, n: int, what) -> None:
         if what:
-            self._bad(self.keys[n], what)
+            self.kv.discard(self.keys[n], what)
         self.served = min(self.served, self.starts[n])
 
     def decode(self, layer: int, out: dict | None = None) -> dict:

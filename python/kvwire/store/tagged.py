@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 
 import numpy as np
 
-from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_preamble
+from ..format.container import PREAMBLE_SIZE, parse_preamble, trailer_fields
 from .auth import MAX_TAG_BYTES, Tag, TagError, digests_of, tag_key
 
 
@@ -58,7 +57,7 @@ class TagChecks:
                     out.append(True)
                     continue
                 self.store.delete(key)
-                self.counts["auth_healed"] += 1
+                self.counts.add("auth_healed")
             if tag is not None:
                 self.store.delete(tag_key(key))
             out.append(False)
@@ -75,10 +74,10 @@ class TagChecks:
         return self.store.put_many(tagged)[::2]
 
     # -- reading -------------------------------------------------------------------------
-    def verify_head(self, got, data):
-        """The Tag of a checked object ``got`` = (key, header, first bytes) whose tag ``data``
-        verifies and covers those header bytes, else None (a miss, counted)."""
-        key, _, head = got
+    def verify_head(self, key, head, data):
+        """The Tag of the object ``key`` whose first bytes ``head`` passed the header checks,
+        when its tag ``data`` verifies and covers those header bytes, else None (a miss,
+        counted)."""
         try:
             t = self.auth.open(key, data)
             _, hlen, _ = parse_preamble(head)
@@ -94,7 +93,7 @@ class TagChecks:
         try:
             if reader.form != "file" or len(t.bodies) != len(reader.records):
                 raise TagError("the tag's body count is not the object's", "forged")
-            off, n = struct.unpack_from("<QI", buf, len(buf) - TRAILER_SIZE)
+            off, n = trailer_fields(buf)
             if not hmac.compare_digest(t.index, hashlib.sha256(memoryview(buf)[off:off + n]).digest()):
                 raise TagError("the index is not the one tagged", "forged")
             return True
@@ -117,7 +116,7 @@ class TagChecks:
 
     def auth_failed(self, key, exc: TagError) -> None:
         """Count a tag failure; a forged tag's object and tag are deleted (KVW-AUTH-7)."""
-        self.counts["auth_failures"] += 1
+        self.counts.add("auth_failures")
         if exc.kind == "forged":
             self.store.delete(key)
             self.store.delete(tag_key(key))
