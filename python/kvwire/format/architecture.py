@@ -15,17 +15,20 @@ architectures without a header. ``header`` orchestrates: it calls
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
+import flatbuffers
+
+from . import crossmodel as XM
 from . import limits as L
 from . import registry as R
-from .errors import LimitError, SchemaError
+from .crossmodel import StateTensor
+from .errors import FormatError, LimitError, SchemaError
+from .fbfields import SCALAR, add_scalars, offset_vector, read_numbers, read_scalars, scalar_vector
 from .fbs import Architecture as fbArch
 from .fbs import LayerSpec as fbLayer
 from .fbs import RopeParams as fbRope
-from .fbfields import SCALAR, add_scalars, offset_vector, read_numbers, read_scalars, scalar_vector
 from .flatbuf import Table
-from . import crossmodel as XM
-from .crossmodel import StateTensor
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class Architecture:
         return len(self.layers)
 
     @classmethod
-    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, head_dim_v: int | None = None, **kw):
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, head_dim_v: int | None = None, **kw: Any) -> Architecture:
         """A model whose every layer is full attention with the same shape."""
         spec = LayerSpec("full_attention", num_kv_heads, head_dim, head_dim if head_dim_v is None else head_dim_v)
         return cls((spec,) * num_layers, **kw)
@@ -123,7 +126,7 @@ class Architecture:
 # Semantic rules
 # ---------------------------------------------------------------------------------------
 
-def _fail(code: str, rule: str, msg: str, exc=SchemaError):
+def _fail(code: str, rule: str, msg: str, exc: type[FormatError] = SchemaError) -> NoReturn:
     raise exc(code, msg, rule=rule)
 
 
@@ -189,7 +192,7 @@ def check_architecture(arch: Architecture, itemsize: int, chunk_tokens: int, fea
 # FlatBuffer encoding
 # ---------------------------------------------------------------------------------------
 
-def _build_rope(b, rope: RopeParams) -> int:
+def _build_rope(b: flatbuffers.Builder, rope: RopeParams) -> int:
     vecs = {fid: scalar_vector(b, code, getattr(rope, attr)) for attr, fid, code in
             (("short_factor", 13, "f8"), ("long_factor", 14, "f8"), ("mrope_section", 15, "u4"))
             if getattr(rope, attr)}
@@ -197,17 +200,18 @@ def _build_rope(b, rope: RopeParams) -> int:
     add_scalars(b, rope, _ROPE_SCALARS)
     for fid, off in vecs.items():
         b.PrependUOffsetTRelativeSlot(fid, off, 0)
-    return fbRope.End(b)
+    end: int = fbRope.End(b)
+    return end
 
 
-def build_architecture(b, arch: Architecture) -> int:
+def build_architecture(b: flatbuffers.Builder, arch: Architecture) -> int:
     """Write the Architecture table: each distinct LayerSpec and RopeParams once, layers
     mapped onto them by layer_spec_index (spec 6.1)."""
     distinct: dict[LayerSpec, int] = {}
     index = [distinct.setdefault(s, len(distinct)) for s in arch.layers]
     rope_cache: dict[RopeParams, int] = {}
 
-    def rope_off(r):
+    def rope_off(r: RopeParams) -> int:
         if r not in rope_cache:
             rope_cache[r] = _build_rope(b, r)
         return rope_cache[r]
@@ -236,7 +240,8 @@ def build_architecture(b, arch: Architecture) -> int:
         fbArch.AddRope(b, arch_rope)
     if not arch.keys_post_rope:
         fbArch.AddKeysPostRope(b, False)
-    return fbArch.End(b)
+    end: int = fbArch.End(b)
+    return end
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,7 +255,7 @@ def _read_rope(t: Table | None) -> RopeParams | None:
     if t is None:
         return None
     key = ("rope", t.pos)
-    done = t.buf.memo.get(key)
+    done: RopeParams | None = t.buf.memo.get(key)
     if done is not None:
         return done
     kw = read_scalars(t, RopeParams, _ROPE_SCALARS)

@@ -9,25 +9,26 @@ in a Python loop), except the offset chain, which is inherently sequential.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from . import limits as L
 from . import registry as R
-from .container import FRAME_SIZE, PREAMBLE_SIZE
-from .errors import CodecError, FeatureError, LayoutError, LimitError
 from .codec_specs import FEATURE_BIT as CODEC_SPECS_BIT
 from .codec_specs import check_spec_refs
+from .container import FRAME_SIZE, PREAMBLE_SIZE
+from .errors import CodecError, FeatureError, LayoutError, LimitError
 from .header import Header
-from .state import STATE, STATE_CODECS, state_rows, state_tables
 from .sparse import SparseTable, check_sparse_records, planned_sparse_chunks
+from .state import STATE, STATE_CODECS, state_rows, state_tables
 
 NCOMP = len(R.COMPONENTS)
 
 
-def grid(start: int, count: int, chunk_tokens: int):
+def grid(start: int, count: int, chunk_tokens: int) -> Iterator[tuple[int, int]]:
     """(token_start, token_count) of each chunk of the token range [start, start+count)."""
     t, stop = start, start + count
     while t < stop:
@@ -55,7 +56,7 @@ class PlannedChunk(NamedTuple):
     head: int = 0
 
 
-def chunk_plan(h: Header):
+def chunk_plan(h: Header) -> Iterator[PlannedChunk]:
     """Every chunk of a container with header ``h``, in canonical order (KVW-CHUNK-9,
     KVW-STATE-7, KVW-SPARSE-7): layer-major; a layer's components in order, each on its
     token grid; a state layer's tensors in declaration order; a sparse layer's (component,
@@ -64,7 +65,8 @@ def chunk_plan(h: Header):
         for layer, comp, t0, n, head in planned_sparse_chunks(h):
             yield PlannedChunk(layer, comp, t0, n, head)
         return
-    for layer, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
+    # strict=False: a plan may be drawn for a header not yet checked (KVW-HDR-13 checks the lengths)
+    for layer, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens, strict=False)):
         if spec.kind == "state":  # one chunk per state tensor, spanning the whole cache (none for 0 tokens)
             for index in range(len(spec.state_tensors) if h.token_count else 0):
                 yield PlannedChunk(layer, "state", 0, h.token_count, index)
@@ -74,7 +76,7 @@ def chunk_plan(h: Header):
                 yield PlannedChunk(layer, comp, t0, n)
 
 
-def planned_chunks(h: Header):
+def planned_chunks(h: Header) -> Iterator[tuple[int, str, int, int]]:
     """(layer, component, token_start, token_count) of every token-grid chunk of a dense
     header (K, V, latent), layer-major: what an engine gathers from its buffers."""
     for c in chunk_plan(h):
@@ -93,14 +95,14 @@ class ChunkTable:
     base: np.ndarray  # [L, NCOMP] slot of the component's first chunk
     counts: np.ndarray  # [L, NCOMP] chunks of the component
     total: int  # chunks the header implies
-    state: tuple | None = None  # state.state_tables(h): state tensor counts and sizes (spec/crossmodel.md)
+    state: tuple[np.ndarray, np.ndarray] | None = None  # state.state_tables(h): state tensor counts and sizes (spec/crossmodel.md)
 
     @classmethod
-    def of(cls, h: Header) -> "ChunkTable":
+    def of(cls, h: Header) -> ChunkTable | SparseTable:
         if h.sparse is not None:  # per-(layer, head) grids (spec/sparse.md)
             return SparseTable.of(h)
         n = h.num_layers
-        rows: dict[int, tuple[list, list]] = {}  # per distinct LayerSpec object
+        rows: dict[int, list[list[int]]] = {}  # per distinct LayerSpec object
         for spec in h.arch.layers:
             if id(spec) not in rows:
                 hd = [[0] * NCOMP, [0] * NCOMP]
@@ -126,13 +128,13 @@ class ChunkTable:
         return int(self.base[layer, component] + token_start // chunk_tokens - self.start[layer] // chunk_tokens)
 
 
-def _fail(mask: np.ndarray, exc, code: str, rule: str, what: str) -> None:
+def _fail(mask: np.ndarray, exc: Callable[..., Exception], code: str, rule: str, what: str) -> None:
     if mask.any():
         i = int(np.argmax(mask))
         raise exc(code, f"chunk record {i}: {what}", rule=rule)
 
 
-def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
+def check_record_fields(h: Header, table: ChunkTable | SparseTable, rec: np.ndarray) -> np.ndarray:
     """Per-record rules (KVW-CHUNK-1..7); returns each record's slot in the chunk grid."""
     layer = rec["layer"].astype(np.int64)
     comp = rec["component"].astype(np.int64)
@@ -158,9 +160,9 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
         check_spec_refs(h, rec)
 
     if h.sparse is not None:  # grid, heads and raw_length per (layer, head) (spec/sparse.md)
-        slots = check_sparse_records(h, table, rec, layer, comp, _fail)
+        slots = check_sparse_records(h, cast(SparseTable, table), rec, layer, comp, _fail)
     else:
-        slots = _check_dense_grid(h, table, rec, layer, comp, cell, heads)
+        slots = _check_dense_grid(h, cast(ChunkTable, table), rec, layer, comp, cell, heads)
     stored = rec["stored_length"]
     _fail(stored == 0, LayoutError, "LENGTH_MISMATCH", "KVW-CHUNK-4", "stored_length is 0")
     _fail((rec["codec"] == R.CODECS["raw"]) & (stored != rec["raw_length"]), CodecError, "RAW_LENGTH_MISMATCH",
@@ -169,15 +171,15 @@ def check_record_fields(h: Header, table: ChunkTable, rec: np.ndarray) -> np.nda
 
 
 def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray,
-                      cell: np.ndarray, heads: np.ndarray):
+                      cell: np.ndarray, heads: np.ndarray) -> np.ndarray:
     """KVW-CHUNK-2, KVW-CHUNK-3 and raw_length (KVW-CHUNK-4); returns the slots. ``cell``:
     ``layer * NCOMP + comp``; ``heads``: the component's heads of each record."""
-    C = h.chunk_tokens
+    C: Any = h.chunk_tokens  # an array where state chunks span their layer
     t0 = rec["token_start"].astype(np.int64)
     t1 = t0 + rec["token_count"].astype(np.int64)
     lo, hi = table.start.take(layer), table.stop.take(layer)
     st = state_rows(table.state, rec, layer, comp)
-    head_max = 0
+    head_max: Any = 0
     if st is not None:  # a state chunk: one cell spanning the layer, head_start names the tensor (KVW-STATE-7)
         _fail(st.mask & (~np.isin(rec["codec"], STATE_CODECS) | (rec["reserved0"] != 0)), LayoutError,
               "STATE_INVALID", "KVW-STATE-8", "state chunk with a codec other than raw or zstd, or a codec spec")
@@ -195,11 +197,13 @@ def _check_dense_grid(h: Header, table: ChunkTable, rec: np.ndarray, layer: np.n
           "raw_length != heads x tokens x head_dim x dtype size")
     base = table.base.reshape(-1).take(cell)
     if st is not None:
-        return base + np.where(st.mask, rec["head_start"], t0 // C - lo // C)
-    return base + t0 // C - lo // C
+        slots: np.ndarray = base + np.where(st.mask, rec["head_start"], t0 // C - lo // C)
+        return slots
+    dense: np.ndarray = base + t0 // C - lo // C
+    return dense
 
 
-def check_records(h: Header, table: ChunkTable, rec: np.ndarray) -> np.ndarray:
+def check_records(h: Header, table: ChunkTable | SparseTable, rec: np.ndarray) -> np.ndarray:
     """Validate a whole record table; return ``lookup[slot] -> record index`` (KVW-CHUNK-8)."""
     n = len(rec)
     if n > L.MAX_CHUNKS:

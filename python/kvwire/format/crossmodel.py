@@ -11,15 +11,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
+import flatbuffers
 import numpy as np
 
 from . import limits as L
 from . import registry as R
-from .errors import LimitError, SchemaError
+from .errors import FormatError, LimitError, SchemaError
 from .fbfields import offset_vector
 from .fbs import PrefixChain as fbPrefix
 from .fbs import StateTensor as fbState
+from .flatbuf import Table
 from .prefix import HASH_SIZE, PREFIX_SCHEME, num_chunks, prefix_root
 
 MAX_STATE_TENSORS = 64  # per state layer (KVW-STATE-2)
@@ -55,11 +58,11 @@ class PrefixChain:
         return self.hashes[k * HASH_SIZE:(k + 1) * HASH_SIZE]
 
 
-def _fail(code: str, rule: str, msg: str, exc=SchemaError):
+def _fail(code: str, rule: str, msg: str, exc: type[FormatError] = SchemaError) -> NoReturn:
     raise exc(code, msg, rule=rule)
 
 
-def check_state_spec(s, i: int) -> None:
+def check_state_spec(s: Any, i: int) -> None:
     """KVW-STATE-2 and KVW-STATE-3 for one LayerSpec."""
     if s.kind != "state":
         if s.state_tensors:
@@ -72,7 +75,7 @@ def check_state_spec(s, i: int) -> None:
     if not 1 <= len(s.state_tensors) <= MAX_STATE_TENSORS:
         _fail("STATE_INVALID", "KVW-STATE-2", f"state layer {i} has {len(s.state_tensors)} state tensors, "
               f"need 1..{MAX_STATE_TENSORS}")
-    names = set()
+    names: set[str] = set()
     for t in s.state_tensors:
         if not (1 <= len(t.name.encode("utf-8")) <= MAX_STATE_NAME and _STATE_NAME.fullmatch(t.name)) or t.name in names:
             _fail("STATE_INVALID", "KVW-STATE-2", f"state layer {i}: tensor name {t.name[:40]!r} is empty, "
@@ -88,7 +91,7 @@ def check_state_spec(s, i: int) -> None:
                   f"{L.MAX_CHUNK_RAW_LENGTH} bytes", LimitError)
 
 
-def with_state_bit(h):
+def with_state_bit(h: Any) -> Any:
     """``h`` with required bit ``state_layers`` set when a layer is a state layer (KVW-STATE-1):
     a writer derives the bit from the architecture, so callers never set it by hand."""
     bit = R.REQUIRED_FEATURES["state_layers"]
@@ -97,10 +100,10 @@ def with_state_bit(h):
     return h.replace(required_features=h.required_features | bit)
 
 
-def check_state_layers(h) -> None:
+def check_state_layers(h: Any) -> None:
     """KVW-STATE-4, KVW-STATE-5: placement and token range of state layers."""
     layers = h.arch.layers
-    for i, (s, r) in enumerate(zip(layers, h.layer_tokens)):
+    for i, (s, r) in enumerate(zip(layers, h.layer_tokens, strict=True)):  # lengths checked (KVW-HDR-13)
         if s.kind == "shared" and layers[s.source_layer].kind == "state":
             _fail("STATE_INVALID", "KVW-STATE-5", f"shared layer {i} has state layer {s.source_layer} as source")
         if s.kind == "state" and (r.start, r.count) != (0, h.token_count):
@@ -108,7 +111,7 @@ def check_state_layers(h) -> None:
                   f"covers exactly [0, {h.token_count})")
 
 
-def check_prefix(h) -> None:
+def check_prefix(h: Any) -> None:
     """KVW-PREFIX-1..5 on a header's prefix chain (absent, or a scheme this reader does not know: nothing)."""
     p = h.prefix
     if p is None or p.scheme != PREFIX_SCHEME:
@@ -128,7 +131,7 @@ def check_prefix(h) -> None:
               f"multiple of chunk_tokens ({h.chunk_tokens})")
 
 
-def check_fingerprints(h) -> None:
+def check_fingerprints(h: Any) -> None:
     """KVW-ID-10: with fingerprint_scheme 1 every fingerprint is a SHA-256 (or absent)."""
     m = h.model
     if m.fingerprint_scheme != 1:
@@ -142,7 +145,7 @@ def check_fingerprints(h) -> None:
               f" bytes, scheme 1 needs 0 or {HASH_SIZE} x {h.num_layers} layers")
 
 
-def check_layer_map_order(layer_map) -> None:
+def check_layer_map_order(layer_map: Any) -> None:
     """KVW-MAP-4: a transmitted layer's owner (its lowest copy entry) comes before its aliases."""
     owner: dict[int, int] = {}
     for e in layer_map:
@@ -155,7 +158,7 @@ def check_layer_map_order(layer_map) -> None:
                   "(a consumer before its producer)")
 
 
-def check_writable(h) -> None:
+def check_writable(h: Any) -> None:
     """Writer-only limits of the cross-model fields (KVW-HDR-7, KVW-LIM-1)."""
     m = h.model
     for s in (m.framework, m.framework_version):
@@ -175,7 +178,7 @@ def check_writable(h) -> None:
 # FlatBuffers
 # ---------------------------------------------------------------------------------------
 
-def build_state_tensors(b, tensors) -> int:
+def build_state_tensors(b: flatbuffers.Builder, tensors: Any) -> int:
     offs = []
     for t in tensors:
         name = b.CreateString(t.name)
@@ -189,7 +192,7 @@ def build_state_tensors(b, tensors) -> int:
     return offset_vector(b, offs)
 
 
-def read_state_tensors(t) -> tuple:
+def read_state_tensors(t: Table) -> tuple[StateTensor, ...]:
     import struct
 
     out = []
@@ -204,7 +207,7 @@ def read_state_tensors(t) -> tuple:
     return tuple(out)
 
 
-def build_prefix(b, p: PrefixChain) -> int:
+def build_prefix(b: flatbuffers.Builder, p: PrefixChain) -> int:
     root = b.CreateByteVector(bytes(p.root)) if p.root else None
     hashes = b.CreateByteVector(bytes(p.hashes)) if p.hashes else None
     fbPrefix.Start(b)
@@ -214,10 +217,11 @@ def build_prefix(b, p: PrefixChain) -> int:
         fbPrefix.AddRoot(b, root)
     if hashes is not None:
         fbPrefix.AddHashes(b, hashes)
-    return fbPrefix.End(b)
+    end: int = fbPrefix.End(b)
+    return end
 
 
-def read_prefix(t) -> PrefixChain | None:
+def read_prefix(t: Table | None) -> PrefixChain | None:
     if t is None:
         return None
     import struct

@@ -185,6 +185,11 @@ class Table:
         v = self.vector(fid, 1, 1, max_len)
         return None if v is None else bytes(self.buf.data[v[0] : v[0] + v[1]])
 
+    @overload
+    def string(self, fid: int, max_len: int, *, required: Literal[True]) -> str: ...
+    @overload
+    def string(self, fid: int, max_len: int, *, required: bool = False) -> str | None: ...
+
     def string(self, fid: int, max_len: int, *, required: bool = False) -> str | None:
         v = self.vector(fid, 1, 1, max_len, required=required)
         if v is None:

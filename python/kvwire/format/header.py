@@ -17,33 +17,36 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields, replace
+from typing import Any, NoReturn
 
 import flatbuffers
 
+from ..version import __version__
+from . import crossmodel as XM
+from . import kv_scales as KS
 from . import limits as L
 from . import registry as R
-from .errors import FeatureError, LimitError, SchemaError, VersionError
+
+# "X as X": re-exported, so that every part of a Header can be imported from this module
+from .architecture import Architecture, build_architecture, check_architecture, read_architecture
+from .architecture import LayerSpec as LayerSpec
+from .architecture import RopeParams as RopeParams
+from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
+from .crossmodel import PrefixChain
+from .engine_layout import MAX_LAYOUT_DIMS as MAX_LAYOUT_DIMS
+from .engine_layout import EngineLayout, build_engine_layout, check_engine_layout, read_engine_layout
+from .errors import FeatureError, FormatError, LimitError, SchemaError, VersionError
+from .fbfields import SCALAR, enum_name, offset_vector, read_structs
 from .fbs import Header as fbHeader
 from .fbs import KeyValue as fbKV
 from .fbs import LayerMapEntry as fbMap
 from .fbs import ModelIdentity as fbModel
 from .fbs import Producer as fbProducer
 from .fbs import TokenRange as fbRange
-# "X as X": re-exported, so that every part of a Header can be imported from this module
-from .architecture import Architecture, build_architecture, check_architecture, read_architecture
-from .architecture import LayerSpec as LayerSpec, RopeParams as RopeParams
-from .engine_layout import EngineLayout, build_engine_layout, check_engine_layout, read_engine_layout
-from .engine_layout import MAX_LAYOUT_DIMS as MAX_LAYOUT_DIMS
-from .fbfields import SCALAR, enum_name, offset_vector, read_structs
-from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
 from .flatbuf import Buffer
-from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
-from . import kv_scales as KS
 from .kv_scales import KVScale as KVScale
 from .layer_range import layer_slice
-from . import crossmodel as XM
-from .crossmodel import PrefixChain
-from ..version import __version__
+from .sparse import SparseInfo, build_sparse, check_sparse, read_sparse
 
 HEADER_IDENTIFIER = b"KVWH"
 
@@ -94,13 +97,14 @@ class Header:
     token_count: int = 0
     dtype: str = "bf16"
     first_position: int = 0
-    layer_tokens: tuple[TokenRange, ...] | None = None
+    # None (the default) is replaced by default_layer_tokens(arch, token_count) on construction
+    layer_tokens: tuple[TokenRange, ...] = None  # type: ignore[assignment]
     chunk_tokens: int = 256
     alignment: int = 64
     model: ModelIdentity = field(default_factory=ModelIdentity)
     producer: Producer = field(default_factory=Producer)
     layer_map: tuple[LayerMapEntry, ...] = ()
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, bytes] = field(default_factory=dict)
     checksum_algorithm: str = "xxh3_64"
     required_features: int = 0
     optional_features: int = 0
@@ -108,11 +112,11 @@ class Header:
     format_minor: int = R.FORMAT_MINOR
     engine_layout: EngineLayout | None = None
     sparse: SparseInfo | None = None  # per-(layer, kv head) token subsets (spec/sparse.md)
-    codec_specs: tuple = ()  # CodecSpec pipelines that chunk records name (spec/codecs.md)
+    codec_specs: tuple[Any, ...] = ()  # CodecSpec pipelines that chunk records name (spec/codecs.md)
     prefix: PrefixChain | None = None  # prefix hash chain (spec/crossmodel.md)
     kv_scales: tuple[KVScale, ...] | None = None  # 1.1: per-layer fp8 scales; (k, v) pairs accepted (5.10)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.layer_tokens is None:
             object.__setattr__(self, "layer_tokens", default_layer_tokens(self.arch, self.token_count))
         if self.kv_scales is not None:
@@ -126,15 +130,16 @@ class Header:
     def itemsize(self) -> int:
         return R.DTYPES[self.dtype][1]
 
-    def replace(self, **changes) -> "Header":
+    def replace(self, **changes: Any) -> Header:
         if "token_count" in changes and "layer_tokens" not in changes:
             changes["layer_tokens"] = None
         return replace(self, **changes)
 
-    def layer_slice(self, start: int, stop: int) -> "Header":
+    def layer_slice(self, start: int, stop: int) -> Header:
         """The header of layers ``[start, stop)`` alone, every per-layer value (specs, token
         ranges, ``kv_scales``, per-layer fingerprints) sliced; no layer map (``layer_range``)."""
-        return layer_slice(self, start, stop)
+        sliced: Header = layer_slice(self, start, stop)
+        return sliced
 
 
 def default_layer_tokens(arch: Architecture, token_count: int) -> tuple[TokenRange, ...]:
@@ -150,7 +155,7 @@ def default_layer_tokens(arch: Architecture, token_count: int) -> tuple[TokenRan
 _METADATA_KEY = re.compile(r"^[a-z0-9_\-]+(\.[A-Za-z0-9_\-]+)+$")
 
 
-def _fail(code: str, rule: str, msg: str, exc=SchemaError):
+def _fail(code: str, rule: str, msg: str, exc: type[FormatError] = SchemaError) -> NoReturn:
     raise exc(code, msg, rule=rule)
 
 
@@ -195,7 +200,7 @@ def _check_layer_tokens(h: Header) -> None:
     if len(h.layer_tokens) != h.num_layers:
         _fail("TOKEN_RANGE_INVALID", "KVW-HDR-13", f"{len(h.layer_tokens)} layer token ranges for "
               f"{h.num_layers} layers")
-    for i, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
+    for i, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens, strict=True)):  # lengths checked above
         if r.start + r.count > h.token_count:
             _fail("TOKEN_RANGE_INVALID", "KVW-HDR-13", f"layer {i} tokens [{r.start}, {r.stop}) exceed "
                   f"token_count {h.token_count}")
@@ -220,7 +225,7 @@ def _check_layer_map(h: Header) -> None:
     XM.check_layer_map_order(h.layer_map)
 
 
-def _check_metadata(md: dict) -> None:
+def _check_metadata(md: dict[str, bytes]) -> None:
     if len(md) > L.MAX_METADATA_ENTRIES:
         _fail("LIMIT_EXCEEDED", "KVW-LIM-1", "too many metadata entries", LimitError)
     for k, v in md.items():
@@ -267,8 +272,8 @@ def check_writable(h: Header) -> None:
 # FlatBuffer encoding
 # ---------------------------------------------------------------------------------------
 
-def _build_strings(b, obj, names) -> dict[str, int]:
-    out = {}
+def _build_strings(b: flatbuffers.Builder, obj: Any, names: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
     for name in names:
         value = getattr(obj, name)
         if value:
@@ -376,16 +381,17 @@ def parse_header(data: bytes) -> Header:
     if model_t is not None:
         names = [f.name for f in fields(ModelIdentity)]
         # Fields 0 to 9 in id order, then 10 (14.1 step 2): explicit, not left to argument evaluation.
-        values = tuple(
+        values: tuple[Any, ...] = tuple(
             (model_t.string(i, L.MAX_STRING_LENGTH) or "") if i in (0, 1, 2, 7, 8)
             else (model_t.blob(i, L.MAX_BYTES_LENGTH) or b"") for i in range(len(names) - 1))
-        model = ModelIdentity(*values, fingerprint_scheme=model_t.scalar(10, SCALAR["H"], 0))
+        model = ModelIdentity(**dict(zip(names[:-1], values, strict=True)),
+                              fingerprint_scheme=model_t.scalar(10, SCALAR["H"], 0))
     layer_map = tuple(
         LayerMapEntry(r, tl, enum_name(R.MAP_OP_BY_CODE, op, "layer map op"))
         for r, tl, op in read_structs(t, 7, "IiB3x", L.MAX_LAYERS))
     token_count = t.scalar(12, SCALAR["I"], 0)
     ranges = read_structs(t, 13, "II", L.MAX_LAYERS)
-    metadata = {}
+    metadata: dict[str, bytes] = {}
     for kv in t.tables(15, L.MAX_METADATA_ENTRIES):
         key = kv.string(0, 256, required=True)
         if key in metadata:
@@ -396,7 +402,7 @@ def parse_header(data: bytes) -> Header:
         token_count=token_count,
         dtype=enum_name(R.DTYPE_BY_CODE, t.scalar(8, SCALAR["B"], 0), "dtype"),
         first_position=t.scalar(11, SCALAR["Q"], 0),
-        layer_tokens=tuple(TokenRange(s, c) for s, c in ranges) if ranges else None,
+        layer_tokens=tuple(TokenRange(s, c) for s, c in ranges) if ranges else default_layer_tokens(arch, token_count),
         chunk_tokens=t.scalar(10, SCALAR["I"], 256),
         alignment=t.scalar(9, SCALAR["I"], 64),
         model=model,

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
+import flatbuffers
 import numpy as np
 
 from . import limits as L
@@ -26,6 +29,7 @@ from . import registry as R
 from .errors import SchemaError
 from .fbs import Header as fbHeader
 from .fbs import KVScale as fbKVScale
+from .flatbuf import Table
 
 KV_SCALES_BIT = R.REQUIRED_FEATURES["kv_scales"]
 FIELD_ID = 20  # Header.kv_scales
@@ -38,12 +42,13 @@ UNSCALED_KINDS = ("shared", "state")  # no K/V/LATENT chunks of their own: both 
 _F32 = struct.Struct("<f")
 
 
-def to_f32(x) -> float:
+def to_f32(x: object) -> float:
     """``x`` rounded to the nearest binary32 (the type of the schema's ``float``), as a Python float."""
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"a scale must be a real number, not {type(x).__name__}")
     try:
-        return _F32.unpack(_F32.pack(float(x)))[0]  # round to nearest even, as the FlatBuffers builder does
+        f: float = _F32.unpack(_F32.pack(float(x)))[0]  # round to nearest even, as the FlatBuffers builder does
+        return f
     except OverflowError:  # beyond the binary32 (or binary64) range: the infinity it rounds to (KVW-SCALE-3)
         return math.inf if x > 0 else -math.inf
 
@@ -57,7 +62,7 @@ class KVScale:
     k_scale: float = 1.0
     v_scale: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "k_scale", to_f32(self.k_scale))
         object.__setattr__(self, "v_scale", to_f32(self.v_scale))
 
@@ -65,7 +70,7 @@ class KVScale:
 NEUTRAL = KVScale(1.0, 1.0)
 
 
-def as_kv_scales(value) -> tuple[KVScale, ...]:
+def as_kv_scales(value: Any) -> tuple[KVScale, ...]:
     """``Header.kv_scales`` from ``KVScale`` values or ``(k_scale, v_scale)`` pairs, one per layer."""
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise TypeError(f"kv_scales must be a sequence of kvwire KVScale or (k_scale, v_scale) pairs, one per "
@@ -81,21 +86,22 @@ def as_kv_scales(value) -> tuple[KVScale, ...]:
     return tuple(out)
 
 
-def scales_of(h, layer: int) -> KVScale:
+def scales_of(h: Any, layer: int) -> KVScale:
     """The scales in effect for ``layer``'s own chunks: its entry, or 1.0 and 1.0 without
     ``kv_scales``. (A shared layer's values are its source layer's, scaled by the source's entry.)"""
-    return NEUTRAL if h.kv_scales is None else h.kv_scales[layer]
+    s: KVScale = NEUTRAL if h.kv_scales is None else h.kv_scales[layer]
+    return s
 
 
 # ---------------------------------------------------------------------------------------
 # Header rules
 # ---------------------------------------------------------------------------------------
 
-def _fail(rule: str, msg: str):
+def _fail(rule: str, msg: str) -> NoReturn:
     raise SchemaError("KV_SCALES_INVALID", msg, rule=rule)
 
 
-def check_kv_scales(h) -> None:
+def check_kv_scales(h: Any) -> None:
     """KVW-SCALE-1..5 in the order of spec section 14.1 step 3: presence, dtype, count,
     values (layer by layer, k before v), then the entries of layers without V or chunks."""
     if not h.required_features & KV_SCALES_BIT:
@@ -113,7 +119,7 @@ def check_kv_scales(h) -> None:
         if not (0.0 < e.k_scale < inf and 0.0 < e.v_scale < inf):  # false for NaN too
             name, v = ("k_scale", e.k_scale) if not 0.0 < e.k_scale < inf else ("v_scale", e.v_scale)
             _fail("KVW-SCALE-3", f"layer {i} {name} {v!r}: every scale is a finite binary32 above 0")
-    for i, (spec, e) in enumerate(zip(h.arch.layers, s)):
+    for i, (spec, e) in enumerate(zip(h.arch.layers, s, strict=True)):
         if spec.kind in UNSCALED_KINDS and (e.k_scale, e.v_scale) != (1.0, 1.0):
             _fail("KVW-SCALE-5", f"{spec.kind} layer {i} has scales ({e.k_scale!r}, {e.v_scale!r}): a layer "
                   "without K/V/LATENT chunks of its own has 1.0 and 1.0")
@@ -127,7 +133,7 @@ def required_minor(required_features: int) -> int:
                default=R.FORMAT_MINOR)
 
 
-def check_writable(h) -> None:
+def check_writable(h: Any) -> None:
     """What a writer may not emit although readers never see it: the field without its bit
     (KVW-SCALE-1), a ``format_minor`` other than the one the features imply (KVW-EVOL-12)."""
     if h.kv_scales is not None and not h.required_features & KV_SCALES_BIT:
@@ -139,7 +145,7 @@ def check_writable(h) -> None:
                          f"{h.format_major}.{h.format_minor} (KVW-PRE-7, KVW-EVOL-12)")
 
 
-def writer_header(h):
+def writer_header(h: Any) -> Any:
     """``h`` as a writer writes it: bit 3 set exactly when ``kv_scales`` is given (KVW-SCALE-1)
     and, unless the caller chose a minor this writer does not write, ``format_minor`` as the
     features imply (KVW-EVOL-12). Callers never set either by hand."""
@@ -156,17 +162,18 @@ def writer_header(h):
 # FlatBuffers
 # ---------------------------------------------------------------------------------------
 
-def build_kv_scales(b, scales) -> int | None:
+def build_kv_scales(b: flatbuffers.Builder, scales: Sequence[KVScale] | None) -> int | None:
     """Offset of the ``Header.kv_scales`` vector (None when absent); call before ``Header.Start``."""
     if scales is None:
         return None
     fbHeader.StartKvScalesVector(b, len(scales))
     for e in reversed(scales):
         fbKVScale.CreateKVScale(b, e.k_scale, e.v_scale)
-    return b.EndVector()
+    end: int = b.EndVector()
+    return end
 
 
-def read_kv_scales(t, required_features: int):
+def read_kv_scales(t: Table, required_features: int) -> tuple[KVScale, ...] | None:
     """Header field 20 from the verified root table ``t``, followed and verified only when bit 3
     is set and this reader implements it (KVW-SCALE-1): otherwise field 20 is a field the
     reader does not know (KVW-EVOL-2), neither followed nor verified. Absent: None."""

@@ -13,13 +13,17 @@ This module is imported by ``header.py``; it must not import ``header`` itself.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
+import flatbuffers
 import numpy as np
 
 from . import limits as L
 from . import registry as R
-from .errors import CodecError, LayoutError, SchemaError
+from .errors import CodecError, FormatError, LayoutError, SchemaError
+from .flatbuf import Table
 
 SPARSE_BIT = R.REQUIRED_FEATURES["sparse"]
 SPARSE_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "mla_latent", "shared")
@@ -48,25 +52,26 @@ class SparseInfo:
     window_tokens: int = 0
 
 
-def layer_heads(spec) -> int:
+def layer_heads(spec: Any) -> int:
     """Heads that retain positions in one layer: kv heads, 1 for MLA, 0 for shared."""
     if spec.kind == "shared":
         return 0
-    return 1 if spec.kind == "mla_latent" else spec.num_kv_heads
+    heads: int = 1 if spec.kind == "mla_latent" else spec.num_kv_heads
+    return heads
 
 
-def head_offsets(arch) -> np.ndarray:
+def head_offsets(arch: Any) -> np.ndarray:
     """offsets[l] = index of (layer l, head 0) in ``retained_counts``; offsets[L] = entries."""
     heads = np.array([layer_heads(s) for s in arch.layers], np.int64)
     return np.concatenate(([0], np.cumsum(heads)))
 
 
-def retained_count(h, layer: int, head: int) -> int:
+def retained_count(h: Any, layer: int, head: int) -> int:
     """count(layer, head): how many tokens one (layer, kv head) retains (KVW-SPARSE-3)."""
     return int(h.sparse.retained_counts[sum(layer_heads(s) for s in h.arch.layers[:layer]) + head])
 
 
-def planned_sparse_chunks(h):
+def planned_sparse_chunks(h: Any) -> Iterator[tuple[int, str, int, int, int]]:
     """(layer, component, token_start, token_count, head) of every chunk of a sparse
     header, in slot order (KVW-SPARSE-7): layer, component code, head, cell."""
     counts, C = iter(h.sparse.retained_counts), h.chunk_tokens
@@ -78,11 +83,11 @@ def planned_sparse_chunks(h):
                     yield layer, comp, t0, min(C, count - t0), hd
 
 
-def _fail(rule: str, msg: str, code: str = "SPARSE_INVALID", exc=SchemaError):
+def _fail(rule: str, msg: str, code: str = "SPARSE_INVALID", exc: type[FormatError] = SchemaError) -> NoReturn:
     raise exc(code, msg, rule=rule)
 
 
-def check_sparse(h) -> None:
+def check_sparse(h: Any) -> None:
     """Header rules of sparse containers (KVW-SPARSE-1..5); a no-op for dense ones."""
     s = h.sparse
     bit = bool(h.required_features & SPARSE_BIT)
@@ -119,7 +124,7 @@ def check_sparse_writable(s: SparseInfo) -> None:
         raise ValueError("retained_counts entries are u32")
 
 
-def build_sparse(b, s: SparseInfo) -> int:
+def build_sparse(b: flatbuffers.Builder, s: SparseInfo) -> int:
     """Serialize ``SparseInfo`` into builder ``b``; returns the table offset."""
     from .fbs import SparseInfo as fb
 
@@ -135,15 +140,16 @@ def build_sparse(b, s: SparseInfo) -> int:
         fb.AddSinkTokens(b, s.sink_tokens)
     if s.window_tokens:
         fb.AddWindowTokens(b, s.window_tokens)
-    return fb.End(b)
+    end: int = fb.End(b)
+    return end
 
 
-def read_sparse(t) -> SparseInfo | None:
+def read_sparse(t: Table | None) -> SparseInfo | None:
     """Decode a verified ``SparseInfo`` table (``flatbuf.Table``) or None."""
     if t is None:
         return None
     v = t.vector(2, 4, 4, MAX_RETAINED_ENTRIES)
-    counts = ()
+    counts: tuple[int, ...] = ()
     if v is not None:
         start, n = v
         counts = tuple(np.frombuffer(t.buf.data, "<u4", n, start).tolist())
@@ -160,7 +166,7 @@ def read_sparse(t) -> SparseInfo | None:
 # The sparse chunk grid (KVW-SPARSE-7, KVW-SPARSE-8)
 # ---------------------------------------------------------------------------------------
 
-def sparse_components(spec) -> tuple[str, ...]:
+def sparse_components(spec: Any) -> tuple[str, ...]:
     """Components one layer stores in a sparse container, in canonical (code) order."""
     comps = R.KIND_COMPONENTS[spec.kind]
     return comps + ("positions",) if comps else ()
@@ -191,7 +197,7 @@ class SparseTable:
     head_base: np.ndarray  # [entries] first cell of each head within its (layer, comp)
 
     @classmethod
-    def of(cls, h) -> "SparseTable":
+    def of(cls, h: Any) -> SparseTable:
         ncomp = len(R.COMPONENTS)
         n, C = h.num_layers, h.chunk_tokens
         heads = np.zeros((n, ncomp), np.int64)
@@ -217,13 +223,14 @@ class SparseTable:
         return int(self.base[layer, component] + self.head_base[self.offsets[layer] + head]
                    + token_start // chunk_tokens)
 
-    def head_chunks(self, layer: int, head: int, chunk_tokens: int):
+    def head_chunks(self, layer: int, head: int, chunk_tokens: int) -> list[tuple[int, int]]:
         """(token_start, token_count) of the cells of one (layer, head)."""
         count = int(self.retained[self.offsets[layer] + head])
         return [(t, min(chunk_tokens, count - t)) for t in range(0, count, chunk_tokens)]
 
 
-def check_sparse_records(h, table: SparseTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray, fail):
+def check_sparse_records(h: Any, table: SparseTable, rec: np.ndarray, layer: np.ndarray, comp: np.ndarray,
+                         fail: Callable[..., None]) -> np.ndarray:
     """Grid, head range and raw_length of sparse records (KVW-SPARSE-7..9).
 
     Called by ``chunks.check_record_fields`` after the rules common to every container;
@@ -251,7 +258,8 @@ def check_sparse_records(h, table: SparseTable, rec: np.ndarray, layer: np.ndarr
     fail(np.where(is_pos, (raw < n) | (raw > MAX_VARINT_BYTES * n), raw != expected), LayoutError,
          "LENGTH_MISMATCH", "KVW-SPARSE-8", "raw_length disagrees with the chunk (tokens x head_dim x dtype size; "
          "POSITIONS: between tokens and 9 x tokens bytes)")
-    return table.base[layer, comp] + table.head_base[entry] + t0 // C
+    slots: np.ndarray = table.base[layer, comp] + table.head_base[entry] + t0 // C
+    return slots
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,10 +286,11 @@ def encode_positions(positions: np.ndarray, first_position: int) -> bytes:
     k = np.arange(MAX_VARINT_BYTES)[None, :]
     cont = (k < (nbytes[:, None] - 1)).astype(np.uint64) << np.uint64(7)
     out = (groups | cont).astype(np.uint8)
-    return out[k < nbytes[:, None]].tobytes()
+    body: bytes = out[k < nbytes[:, None]].tobytes()
+    return body
 
 
-def decode_positions(raw, count: int, first_position: int, next_position: int) -> np.ndarray:
+def decode_positions(raw: Any, count: int, first_position: int, next_position: int) -> np.ndarray:
     """Absolute positions (int64 [count]) of one POSITIONS body, every byte checked."""
     b = np.frombuffer(raw, np.uint8)
     ends = np.flatnonzero(b < 0x80)
@@ -307,7 +316,8 @@ def decode_positions(raw, count: int, first_position: int, next_position: int) -
     if (v >= np.uint64(span)).any() or (count > 1 and (rel[1:] <= rel[:-1]).any()) or rel[-1] >= np.uint64(span):
         raise LayoutError("POSITIONS_ORDER", f"positions leave [first_position, next_position) = "
                           f"[{first_position}, {next_position})", rule="KVW-SPARSE-11")
-    return rel.astype(np.int64) + np.int64(first_position)
+    positions: np.ndarray = rel.astype(np.int64) + np.int64(first_position)
+    return positions
 
 
 class PositionOrder:
