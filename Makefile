@@ -112,13 +112,14 @@ bench-core: $(STAMP)
 # libkvwire (c/, issue #17): the C library, its CLI kvwire-c, test_unit and bench_c into build/c
 # (c/README.md). Its toolchain: gcc or clang, libzstd-dev, libxxhash-dev; clang also builds the
 # libFuzzer target. Installed with apt-get when missing and root, like redis-server above.
-C_APT := libzstd-dev libxxhash-dev clang
+C_APT := libzstd-dev libxxhash-dev clang pkg-config
 c-deps:
 	@missing=""; \
 	  command -v $${CC:-gcc} >/dev/null 2>&1 || missing="$$missing gcc"; \
 	  echo '#include <zstd.h>' | $${CC:-gcc} -E -x c - >/dev/null 2>&1 || missing="$$missing libzstd-dev"; \
 	  echo '#include <xxhash.h>' | $${CC:-gcc} -E -x c - >/dev/null 2>&1 || missing="$$missing libxxhash-dev"; \
 	  command -v clang >/dev/null 2>&1 || missing="$$missing clang"; \
+	  command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
 	  if [ -n "$$missing" ]; then \
 	    if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	      echo "installing$$missing (apt-get)"; \

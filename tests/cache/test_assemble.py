@@ -143,7 +143,7 @@ def test_without_native_threads_change_nothing(lib):
 @SETTINGS
 @given(n_runs=st.integers(0, 5), run=st.integers(1, 70000), gap=st.integers(0, 100), seed=st.integers(0, 2**16))
 def test_copy_runs_hashes_like_xxhash(lib, n_runs, run, gap, seed):
-    """libkvwire's XXH3 (inline, AVX2 where the CPU has it: c/src/hash.c), streamed block by
+    """libkvwire's XXH3 (inline, AVX2 where the CPU has it: c/src/common/hash.c), streamed block by
     block by kvw_copy_checked or in one call when hashing only, equals xxhash-python's; the
     runs land at their stride and nothing between them is written."""
     import xxhash
