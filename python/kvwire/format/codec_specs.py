@@ -11,13 +11,17 @@ imports it).
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any, NoReturn
 
+import flatbuffers
 import numpy as np
 
 from . import registry as R
 from .errors import CodecError, FeatureError, LimitError, SchemaError
 from .fbfields import offset_vector
+from .flatbuf import Table
 
 FEATURE_BIT = R.REQUIRED_FEATURES["codec_specs"]
 ROTATION_BIT = R.REQUIRED_FEATURES["rotation"]  # revision 1.2: fields 11-13 and 3-bit codes (KVW-ROT-1)
@@ -102,12 +106,13 @@ _USED = {
 }
 
 
-def _code(attr: str, value) -> int:
+def _code(attr: str, value: Any) -> int:
     enum = _ENUMS.get(attr)
     if enum is None:
         return int(value)
     try:
-        return enum[value]
+        code: int = enum[value]
+        return code
     except KeyError:
         raise ValueError(f"CodecSpec.{attr} {value!r}: not a registry name") from None
 
@@ -116,7 +121,7 @@ def _code(attr: str, value) -> int:
 # FlatBuffers
 # ---------------------------------------------------------------------------------------
 
-def build_codec_specs(b, specs) -> int | None:
+def build_codec_specs(b: flatbuffers.Builder, specs: Sequence[CodecSpec]) -> int | None:
     """Offset of the ``Header.codec_specs`` vector (None when there are none); call before
     ``Header.Start``."""
     if not specs:
@@ -133,14 +138,14 @@ def build_codec_specs(b, specs) -> int | None:
     return offset_vector(b, offs)
 
 
-def _name(enum: dict, code: int, attr: str, required_features: int = 0) -> str:
+def _name(enum: Mapping[str, int], code: int, attr: str, required_features: int = 0) -> str:
     for name, c in enum.items():
         if c == code and gate_open(attr, name, required_features):
             return name
     raise SchemaError("ENUM_OUT_OF_RANGE", f"codec spec {attr} code {code} is not in the registry", rule="KVW-HDR-10")
 
 
-def read_codec_specs(t, required_features: int = 0) -> tuple:
+def read_codec_specs(t: Table, required_features: int = 0) -> tuple[CodecSpec, ...]:
     """``Header.codec_specs`` (field 18) from the verified root table ``t``. The field is part
     of the 1.0 schema: it is read and verified whether or not the feature bit is set, and
     ``check_codec_specs`` rejects specs without the bit (KVW-CSPEC-10, KVW-EVOL-10). Fields
@@ -149,7 +154,7 @@ def read_codec_specs(t, required_features: int = 0) -> tuple:
     out = []
     read = _FIELDS if required_features & R.KNOWN_REQUIRED_FEATURES & ROTATION_BIT else _FIELDS[:N_FIELDS_1_0]
     for st in t.tables(18, MAX_CODEC_SPECS):
-        kw = {}
+        kw: dict[str, Any] = {}
         for attr, fid, code in read:
             default = getattr(_DEFAULT, attr)
             if code == "?":
@@ -173,7 +178,7 @@ def gate_open(attr: str, name: str, required_features: int) -> bool:
     return feature is None or bool(required_features & R.KNOWN_REQUIRED_FEATURES & R.REQUIRED_FEATURES[feature])
 
 
-def _invalid(i: int, rule: str, msg: str):
+def _invalid(i: int, rule: str, msg: str) -> NoReturn:
     raise SchemaError("CODEC_SPEC_INVALID", f"codec_specs[{i}]: {msg}", rule=rule)
 
 
@@ -230,7 +235,7 @@ def check_rotation_fields(s: CodecSpec, i: int, rotation_bit: bool) -> None:
                  f"(has symmetric {s.symmetric}, group_axis {s.group_axis}, bits {s.bits})")
 
 
-def check_codec_specs(h) -> None:
+def check_codec_specs(h: Any) -> None:
     """Header rules of ``codec_specs`` (KVW-CSPEC-10, KVW-CSPEC-2..6); called by ``check_header``."""
     specs = h.codec_specs
     if not specs:
@@ -262,7 +267,7 @@ def check_codec_specs(h) -> None:
 # Record rules
 # ---------------------------------------------------------------------------------------
 
-def check_spec_refs(h, rec: np.ndarray) -> None:
+def check_spec_refs(h: Any, rec: np.ndarray) -> None:
     """Record rules (KVW-CSPEC-9): ``codec_spec`` (``reserved0``) in range, and the
     record's codec equal to its spec's (raw or zstd for codec_spec 0)."""
     if not len(rec):
@@ -297,7 +302,7 @@ def check_spec_refs(h, rec: np.ndarray) -> None:
 # JSON (conformance neutral model)
 # ---------------------------------------------------------------------------------------
 
-def spec_to_json(s: CodecSpec) -> dict:
+def spec_to_json(s: CodecSpec) -> dict[str, Any]:
     """Every field; revision 1.2's only where they differ from their defaults (spec/codecs.md
     section 8.1), so that 1.0 vectors keep their JSON."""
     return {f.name: getattr(s, f.name) for f in fields(CodecSpec)
@@ -307,7 +312,7 @@ def spec_to_json(s: CodecSpec) -> dict:
 REVISION_1_2_FIELDS = ("rotation", "rotation_seed", "codebook")
 
 
-def features_of(specs) -> int:
+def features_of(specs: Sequence[CodecSpec]) -> int:
     """The required feature bits a list of specs needs: codec_specs, rotation when one spec
     uses revision 1.2, turboquant (with rotation) when one uses 1.3 (KVW-CSPEC-10, KVW-ROT-1,
     KVW-TQ-1)."""
@@ -317,5 +322,5 @@ def features_of(specs) -> int:
             | (TURBOQUANT_BIT if any(s.needs_turboquant_bit for s in specs) else 0))
 
 
-def spec_from_json(d: dict) -> CodecSpec:
+def spec_from_json(d: Mapping[str, Any]) -> CodecSpec:
     return CodecSpec(**{f.name: d[f.name] for f in fields(CodecSpec) if f.name in d})

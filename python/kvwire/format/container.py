@@ -14,6 +14,7 @@ interval checks (spec KVW-LAYOUT-1).
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -22,6 +23,9 @@ from . import limits as L
 from .errors import ChecksumError, LayoutError, LimitError, MagicError, TruncatedError, VersionError
 from .header import Header, parse_header
 from .registry import FORMAT_MAJOR, FORMAT_MINOR
+
+# bytes, bytearray, memoryview, mmap or a uint8 array: whatever has the buffer protocol (typing.Buffer is 3.12+)
+BytesLike = Any
 
 MAGIC = b"\x89KVW\r\n\x1a\n"
 PREAMBLE_SIZE = 32
@@ -52,13 +56,15 @@ RECORD_STRUCT = struct.Struct("<QQQQIIHBBHHHHI")
 assert RECORD_STRUCT.size == RECORD_SIZE
 
 
-def xxh3(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def xxh3(data: BytesLike) -> int:
+    digest: int = xxhash.xxh3_64_intdigest(data)
+    return digest
 
 
-def check32(data) -> int:
+def check32(data: BytesLike) -> int:
     """Low 32 bits of XXH3-64: the self-check of the preamble and of every frame."""
-    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+    low: int = xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+    return low
 
 
 def align_up(n: int, a: int) -> int:
@@ -90,7 +96,7 @@ def _diagnose_magic(first: bytes) -> MagicError:
     return MagicError("BAD_MAGIC", f"not a kvwire container (starts with {bytes(first[:8])!r})", rule="KVW-PRE-1")
 
 
-def parse_preamble(buf) -> tuple[int, int, int]:
+def parse_preamble(buf: BytesLike) -> tuple[int, int, int]:
     """(minor, header_length, header_checksum) after the preamble checks (KVW-PRE-1..5)."""
     n = len(buf)
     first = bytes(buf[: min(n, 8)])
@@ -112,7 +118,7 @@ def parse_preamble(buf) -> tuple[int, int, int]:
     return minor, hlen, hsum
 
 
-def header_bytes(buf, hlen: int, hsum: int):
+def header_bytes(buf: BytesLike, hlen: int, hsum: int) -> bytes:
     """The header's bytes, checksum verified (KVW-PRE-6)."""
     end = PREAMBLE_SIZE + hlen
     if len(buf) < end:
@@ -123,14 +129,14 @@ def header_bytes(buf, hlen: int, hsum: int):
     return data
 
 
-def check_version(header, minor: int) -> None:
+def check_version(header: Header, minor: int) -> None:
     """The header's format version is the preamble's (KVW-HDR-9)."""
     if (header.format_major, header.format_minor) != (FORMAT_MAJOR, minor):
         raise VersionError("VERSION_MISMATCH", f"header says {header.format_major}.{header.format_minor}, "
                            f"preamble {FORMAT_MAJOR}.{minor}", rule="KVW-HDR-9")
 
 
-def read_header(buf, known=None):
+def read_header(buf: BytesLike, known: tuple[Header, BytesLike] | None = None) -> tuple[Header, int]:
     """(Header, header length) from the first bytes of a container: preamble, header bytes
     and version checked; ``TruncatedError.needed`` says how many bytes are missing.
 
@@ -163,7 +169,7 @@ def build_end_frame(chunk_count: int, records_digest: int) -> bytes:
     return END_MARKER + struct.pack("<I", check32(body)) + body
 
 
-def parse_frame(buf, pos: int) -> tuple[bytes, bytes]:
+def parse_frame(buf: BytesLike, pos: int) -> tuple[bytes, bytes]:
     """(marker, 56 frame bytes) of the frame at ``pos``, self-check verified (KVW-FRAME-1, -2)."""
     if pos + FRAME_SIZE > len(buf):
         raise TruncatedError(f"frame at {pos} runs past the end ({len(buf)} bytes)", needed=pos + FRAME_SIZE,
@@ -184,7 +190,7 @@ def parse_end_frame(body: bytes) -> tuple[int, int]:
     return count, digest
 
 
-def check_zero(buf, start: int, stop: int) -> None:
+def check_zero(buf: BytesLike, start: int, stop: int) -> None:
     """Padding is zero (KVW-LAYOUT-2): a container has exactly one byte representation."""
     if stop > start and np.frombuffer(buf, np.uint8, stop - start, start).any():
         raise LayoutError("NONZERO_PADDING", f"padding bytes [{start}, {stop}) are not zero", rule="KVW-LAYOUT-2")
@@ -224,11 +230,11 @@ def build_trailer(index_offset: int, index: bytes) -> bytes:
     return _TRAILER.pack(index_offset, len(index), 0, xxh3(index), TRAILER_MAGIC)
 
 
-def has_trailer(buf) -> bool:
+def has_trailer(buf: BytesLike) -> bool:
     return len(buf) >= PREAMBLE_SIZE + TRAILER_SIZE and bytes(buf[-8:]) == TRAILER_MAGIC
 
 
-def parse_trailer(buf, base: int = 0) -> tuple[int, bytes]:
+def parse_trailer(buf: BytesLike, base: int = 0) -> tuple[int, bytes]:
     """(index_offset, index bytes) of a file-form container (KVW-FILE-1..3).
 
     ``buf`` ends with the trailer and holds the container from offset ``base`` on: the

@@ -6,10 +6,11 @@ spec. Names are the spec's lower-case spellings; code elsewhere never uses bare 
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import NamedTuple
+
+import numpy as np
 
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0  # what a writer writes for a container that uses no feature added after 1.0 (KVW-EVOL-12)
@@ -26,7 +27,7 @@ _NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f8_e4m3
                 "f8_e5m2": "float8_e5m2", "f8_e4m3fnuz": "float8_e4m3fnuz", "i8": "int8", "u8": "uint8"}
 
 
-def ml_dtypes():  # type: ignore[no-untyped-def]
+def ml_dtypes() -> ModuleType:
     """The ml_dtypes module (bf16 and fp8 numpy types), imported on first use."""
     try:
         import ml_dtypes as mld
