@@ -33,7 +33,6 @@ Both are imported here (``IOV_MAX`` too), so this module stays the one to import
 
 from __future__ import annotations
 
-import struct
 from collections import deque
 
 import numpy as np
@@ -93,7 +92,7 @@ class StreamDecoder(PlacementMixin):
         self._base = 0  # absolute offset of _buf[0]
         self._pos = 0  # absolute offset of the next structure to parse
         self._state = "preamble"
-        self._hlen = self._hsum = 0
+        self._hlen = self._hsum = self._minor = 0
         self._table: ChunkTable | None = None
         self._filled: bytearray | None = None  # one byte per slot: chunk seen
         self._rec: tuple | None = None  # fields of the current record (RECORD_STRUCT order)
@@ -180,7 +179,7 @@ class StreamDecoder(PlacementMixin):
                 except TruncatedError:
                     pass
             return None
-        _, self._hlen, self._hsum = parse_preamble(self._bytes(0, PREAMBLE_SIZE))
+        self._minor, self._hlen, self._hsum = parse_preamble(self._bytes(0, PREAMBLE_SIZE))
         self._state = "header"
         return False
 
@@ -192,9 +191,8 @@ class StreamDecoder(PlacementMixin):
         if xxh3(data) != self._hsum:
             raise ChecksumError("HEADER_CHECKSUM", "header bytes do not match the preamble's checksum",
                                 rule="KVW-PRE-6")
-        minor = struct.unpack_from("<H", self._bytes(10, 12))[0]
         self.header = parse_header(data)
-        check_version(self.header, minor)
+        check_version(self.header, self._minor)
         self._table = ChunkTable.of(self.header)
         if self._table.total > MAX_CHUNKS:
             raise LimitError("LIMIT_EXCEEDED", f"header implies {self._table.total} chunks", rule="KVW-LIM-1")

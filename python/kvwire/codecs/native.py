@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +28,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..format import errors as E
+from ..format.container import RECORD_STRUCT
 
 DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "c" / "libkvwire.so"
 CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
-_RECORD = struct.Struct("<QQQQIIHBBHHHHI")  # spec 8.1, 56 bytes
+_RECORD = RECORD_STRUCT  # a ChunkRecord (spec 8.1, 56 bytes), as the container module defines it
 _ERR_INVALID_ARGUMENT = 1000
 
 # Registry code -> the class the numpy path raises it with (FormatError otherwise).
