@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from ..codecs.native import pool
-from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_index, parse_preamble, parse_trailer
+from ..format.container import PREAMBLE_SIZE, TRAILER_SIZE, parse_index, parse_preamble, parse_trailer, trailer_fields
 from ..format.errors import Error, FormatError
 from .base import StoreError
 
@@ -175,7 +175,7 @@ def container_digests(bufs) -> tuple[bytes, bytes, list]:
         _, hlen, _ = parse_preamble(c.gather(0, min(c.size, PREAMBLE_SIZE)))
         if c.size < PREAMBLE_SIZE + hlen + TRAILER_SIZE:
             raise TagError("too short for a file-form container")
-        index_offset, index_length = struct.unpack_from("<QI", c.gather(c.size - TRAILER_SIZE, c.size))
+        index_offset, index_length = trailer_fields(c.gather(c.size - TRAILER_SIZE, c.size))
         if not PREAMBLE_SIZE <= index_offset <= c.size - TRAILER_SIZE:
             raise TagError("no file-form trailer")
         _, index = parse_trailer(c.gather(index_offset, c.size), base=index_offset)

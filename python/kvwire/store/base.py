@@ -15,10 +15,10 @@ because the bytes were never the problem.
 from __future__ import annotations
 
 import re
-import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..format.errors import Error
+from .counters import Counters
 
 KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(?:/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")  # no segment starts with "."
 MAX_KEY_LENGTH = 1024
@@ -85,7 +85,7 @@ def resolve_range(byte_range, size: int) -> tuple[int, int]:
 
 
 @dataclass
-class StoreStats:
+class StoreStats(Counters):
     """Counters of one store object (this process): gets and their bytes, puts written or
     skipped because the key existed, deletes and evictions."""
 
@@ -102,9 +102,6 @@ class StoreStats:
     evictions: int = 0
     round_trips: int = 0  # requests to a server (a pipelined batch is one per node)
     unavailable: int = 0  # keys answered as misses because their node was down (a cluster)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def as_buffers(value) -> list:
@@ -142,12 +139,9 @@ class Store:
 
     def __init__(self):
         self.stats = StoreStats()
-        self._stats_lock = threading.Lock()
 
     def count(self, **deltas) -> None:
-        with self._stats_lock:
-            for k, v in deltas.items():
-                setattr(self.stats, k, getattr(self.stats, k) + v)
+        self.stats.add(**deltas)  # under the counters' lock: batch calls may come from several threads
 
     # single-key operations, provided by a backend
     def get(self, key: str, byte_range=None) -> bytes | None:
