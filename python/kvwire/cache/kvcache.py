@@ -1,4 +1,4 @@
-"""``KVCache``: a whole cache in the standard layout, the unit users encode and load.
+"""``KVCache``: a whole cache in the canonical tensor layout, the unit users encode and load.
 
 Each stored layer maps component name ("k", "v" or "latent") to one tensor of shape
 [heads, tokens, head_dim] (the canonical body layout, KVW-CHUNK-4), where tokens is the
@@ -31,6 +31,13 @@ _DICT_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(k|v)")
 
 
 class KVCache:
+    """A dense KV cache: a ``Header`` and, per layer, its components' tensors in the
+    canonical tensor layout [heads, tokens, head_dim] (numpy arrays or torch tensors).
+
+    Build one from per-layer tensors with ``KVCache.from_tensors(keys, values)``; write it
+    with ``kvwire.save`` / ``kvwire.encode`` and get it back with ``kvwire.load``.
+    """
+
     __slots__ = ("header", "layers")
 
     def __init__(self, header: Header, layers: Sequence[Mapping[str, object]]):

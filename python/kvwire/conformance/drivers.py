@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from ..format.errors import FormatError
 from ..cache.files import open as kv_open
@@ -145,7 +146,8 @@ class CommandImpl:
     start-up cost per command. A serve process that hangs or dies is killed and replaced.
     """
 
-    def __init__(self, argv, *, timeout: float = 60.0, label: str | None = None, use_serve: bool = True):
+    def __init__(self, argv: str | Sequence[str], *, timeout: float = 60.0, label: str | None = None,
+                 use_serve: bool = True):
         import queue
 
         self.argv = shlex.split(argv) if isinstance(argv, str) else list(argv)

@@ -27,19 +27,22 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterable
 
 from .drivers import CommandImpl, ReferenceImpl
 from .levels import check_cell, check_invalid, check_valid, encode_case, prepare_spec
 from .results import ERROR, LEVELS, PASS, REFERENCE, SKIP, WARN, CaseResult, RunResult
-from .vectors import WriterCase
+from .vectors import VectorSet, WriterCase
 
 
 class Runner:
     """One run: implementations, vector sets, levels, selection and parallelism; ``run()``
     returns the ``RunResult`` (reported case by case to ``progress`` as they finish)."""
 
-    def __init__(self, impls, vector_sets, *, levels=LEVELS, select=(), jobs: int | None = None,
-                 lenient_codes: bool = False, workdir=None, progress=None):
+    def __init__(self, impls: Iterable[CommandImpl | ReferenceImpl], vector_sets: Iterable[VectorSet], *,
+                 levels: Iterable[str] = LEVELS, select: Iterable[str] = (), jobs: int | None = None,
+                 lenient_codes: bool = False, workdir: str | os.PathLike[str] | None = None,
+                 progress: Callable[[CaseResult], object] | None = None):
         self.impls = list(impls)
         self.vector_sets = list(vector_sets)
         self.levels = tuple(levels)
@@ -85,7 +88,7 @@ class Runner:
 
     # -- reader level ------------------------------------------------------------------
 
-    def run_reader(self, impl, work: Path) -> list:
+    def run_reader(self, impl: CommandImpl | ReferenceImpl, work: Path) -> list:
         tasks = []
         for i, v in enumerate(self.vectors()):
             d = work / "reader" / f"{i:04d}"

@@ -101,7 +101,7 @@ def _version_key(name: str):
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.]", name))
 
 
-def load_vector_sets(path) -> list[VectorSet]:
+def load_vector_sets(path: str | os.PathLike[str]) -> list[VectorSet]:
     """One version folder (holding manifest.json) or a folder of version folders."""
     path = Path(path)
     if (path / "manifest.json").is_file():

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.header import LayerSpec, RopeParams
+from ..format.header import Header, LayerSpec, RopeParams
 from ..format.errors import Error
 from ..cache.tensors import dtype_name, is_torch
+
+if TYPE_CHECKING:
+    from ..cache.kvcache import KVCache
 
 # rope types whose inverse frequencies are a function of RopeParams alone (KVW-ROPE-3)
 REPOSITIONABLE = ("default", "linear", "llama3", "yarn")
@@ -116,7 +120,7 @@ def _positions(p, count: int, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def reposition(keys, old_positions, new_positions, rope: RopeParams):
+def reposition(keys: Any, old_positions: Any, new_positions: Any, rope: RopeParams) -> Any:
     """Keys cached (post-RoPE) at ``old_positions``, as if encoded at ``new_positions``.
 
     ``keys`` is ``[..., tokens, head_dim]`` (canonical ``[H, T, D]`` or HF ``[B, H, T, D]``),
@@ -186,7 +190,7 @@ def _rotated_dim(spec: LayerSpec) -> int:
     return spec.qk_rope_head_dim if spec.kind == "mla_latent" else spec.head_dim_k
 
 
-def shift_problems(header, new_first_position: int) -> list[tuple[int | None, str]]:
+def shift_problems(header: Header, new_first_position: int) -> list[tuple[int | None, str]]:
     """Why ``shift`` would refuse to move the cache ``header`` describes: (layer or None, reason)
     for every cause, [] when it can move. Decided from the header alone, so the compatibility
     check promises a "shift positions" conversion exactly when ``shift`` performs it (KVW-XM-9)."""
@@ -215,7 +219,7 @@ def shift_problems(header, new_first_position: int) -> list[tuple[int | None, st
     return out
 
 
-def shift(cache, new_first_position: int):
+def shift(cache: KVCache, new_first_position: int) -> KVCache:
     """The same cache moved so that its token 0 sits at ``new_first_position``.
 
     Every stored key (and the rotary tail of each MLA latent) is rotated by the position

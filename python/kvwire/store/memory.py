@@ -14,6 +14,12 @@ from .base import LOCAL_BATCH_BYTES, Store, StoreError, as_buffers, check_key, r
 
 
 class MemoryStore(Store):
+    """The store protocol in this process's memory (``memory://``): objects are copied in
+    on ``put``; ``max_bytes`` caps the total, evicting the least recently used objects.
+
+    Not ``kvwire.stream.MemorySink``, which holds a fan-out's shared buffers without copying.
+    """
+
     url = "memory://"
     batch_bytes = LOCAL_BATCH_BYTES
 

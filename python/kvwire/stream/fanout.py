@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable, Hashable, Iterable
 
 from ..cache.kvcache import KVCache
 from ..cache.encoder import iter_buffers
@@ -20,7 +21,7 @@ class SharedBuffers:
     (``owned_nbytes`` counts only what the encoding allocated).
     """
 
-    def __init__(self, buffers, *, on_free=None):
+    def __init__(self, buffers: Iterable[Any], *, on_free: Callable[[SharedBuffers], object] | None = None):
         self._buffers = [memoryview(b).cast("B") for b in buffers]
         self.nbytes = sum(b.nbytes for b in self._buffers)
         self.owned_nbytes = sum(b.nbytes for b in self._buffers if isinstance(b.obj, (bytes, bytearray)))
@@ -66,7 +67,8 @@ class SharedBuffers:
         return b"".join(self.buffers)
 
 
-def encode_shared(cache: KVCache, *, form: str = "stream", on_free=None, **opts) -> SharedBuffers:
+def encode_shared(cache: KVCache, *, form: str = "stream", on_free: Callable[[SharedBuffers], object] | None = None,
+                  **opts: Any) -> SharedBuffers:
     """Encode ``cache`` once (options as ``iter_buffers``) into shareable buffers."""
     return SharedBuffers(list(iter_buffers(cache, form=form, **opts)), on_free=on_free)
 
@@ -82,12 +84,12 @@ class MemorySink:
     ``get`` and ``lookup`` count hits and misses.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._items: dict = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def put(self, key, shared: SharedBuffers) -> None:
+    def put(self, key: Hashable, shared: SharedBuffers) -> None:
         shared.acquire()
         with self._lock:
             old = self._items.pop(key, None)
@@ -95,11 +97,11 @@ class MemorySink:
         if old is not None:
             old.release()
 
-    def sink(self, key) -> "_KeySink":
+    def sink(self, key: Hashable) -> _KeySink:
         """A ``fanout`` target that stores the container under ``key``."""
         return _KeySink(self, key)
 
-    def get(self, key) -> SharedBuffers | None:
+    def get(self, key: Hashable) -> SharedBuffers | None:
         with self._lock:
             item = self._items.get(key)
             if item is None:
@@ -108,7 +110,7 @@ class MemorySink:
                 self.hits += 1
             return item
 
-    def lookup(self, keys) -> int:
+    def lookup(self, keys: Iterable[Hashable]) -> int:
         """Number of leading ``keys`` present; each present key checked is a hit, the first absent one a miss."""
         n = 0
         with self._lock:
@@ -120,7 +122,7 @@ class MemorySink:
                 n += 1
         return n
 
-    def evict(self, key) -> bool:
+    def evict(self, key: Hashable) -> bool:
         with self._lock:
             item = self._items.pop(key, None)
         if item is None:
@@ -128,7 +130,7 @@ class MemorySink:
         item.release()
         return True
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 
     def __len__(self) -> int:
@@ -145,14 +147,14 @@ class MemorySink:
 
 
 class _KeySink:
-    def __init__(self, store: MemorySink, key):
+    def __init__(self, store: MemorySink, key: Hashable) -> None:
         self.store, self.key = store, key
 
     def take(self, shared: SharedBuffers) -> None:
         self.store.put(self.key, shared)
 
 
-def fanout(shared: SharedBuffers, sinks, *, link_gbps: float | None = None,
+def fanout(shared: SharedBuffers, sinks: Iterable[Any], *, link_gbps: float | None = None,
            timeout: float | None = None) -> list[TransferStats]:
     """Write ``shared`` to every sink at once (one thread per sink), from the same buffers.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,15 +46,15 @@ class Layer(NamedTuple):
     tensors: dict
 
     @property
-    def k(self):
+    def k(self) -> Any:
         return self.tensors.get("k")
 
     @property
-    def v(self):
+    def v(self) -> Any:
         return self.tensors.get("v")
 
     @property
-    def latent(self):
+    def latent(self) -> Any:
         return self.tensors.get("latent")
 
 
@@ -155,8 +155,8 @@ class LayerReader:
     descriptor or an unbuffered file (a buffered reader's bytes are invisible to poll).
     """
 
-    def __init__(self, source, *, verify: bool = True, backend: str = "numpy", prefetch: int = 2,
-                 keep: bool = True, pin: bool = False, buffer=None, link_gbps: float | None = None,
+    def __init__(self, source: Any, *, verify: bool = True, backend: str = "numpy", prefetch: int = 2,
+                 keep: bool = True, pin: bool = False, buffer: Any = None, link_gbps: float | None = None,
                  to_eof: bool = False, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
                  timeout: float | None = None):
         if backend not in ("numpy", "torch"):

@@ -9,6 +9,8 @@ without any segment is ``TRUNCATED`` (KVW-STREAM-7, KVW-STREAM-10).
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import numpy as np
 
 from ..format import registry as R
@@ -52,7 +54,7 @@ class DecodeWriter:
     supersedes it.
     """
 
-    def __init__(self, sink, header: Header, *, first_position: int | None = None, chunk_tokens: int | None = None,
+    def __init__(self, sink: Any, header: Header, *, first_position: int | None = None, chunk_tokens: int | None = None,
                  codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL, link_gbps: float | None = None):
         if header.sparse is not None or any(spec.kind == "state" for spec in header.arch.layers):
             raise ValueError("DecodeWriter sends attention caches only: a sparse cache is never sent as segments "
@@ -71,7 +73,7 @@ class DecodeWriter:
         self._staging = [{c: np.empty(spec.shape(c, C), np_dtype) for c in spec.components}
                          for spec in header.arch.layers]
 
-    def append(self, k=None, v=None, *, latent=None) -> int:
+    def append(self, k: Any = None, v: Any = None, *, latent: Any = None) -> int:
         """Add tokens: per-layer sequences of [heads, dim] (one token) or [heads, n, dim]
         arrays (None for a layer that stores nothing). Returns the segments sent."""
         given = {c: x for c, x in (("k", k), ("v", v), ("latent", latent)) if x is not None}
@@ -140,7 +142,7 @@ class DecodeWriter:
         self.segments += 1
 
 
-def read_segments(source, **reader_options):
+def read_segments(source: Any, **reader_options: Any) -> Iterator[KVCache]:
     """Yield each container on ``source`` as a ``KVCache``, until the source ends
     between two containers (KVW-STREAM-3). ``reader_options`` go to ``LayerReader``."""
     reader_options.setdefault("prefetch", 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import Any
 
 from ..cache.encoder import Encoder
 from ..cache.tensors import as_numpy
@@ -43,7 +44,7 @@ class LayerWriter:
     socket or a file descriptor (``poll``).
     """
 
-    def __init__(self, sink, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL,
+    def __init__(self, sink: Any, header: Header, *, codec: str = "raw", level: int = DEFAULT_ZSTD_LEVEL,
                  link_gbps: float | None = None, background: bool = True, depth: int = 2,
                  batch_bytes: int = 2 << 20, timeout: float | None = None):
         self.header = header
@@ -64,7 +65,7 @@ class LayerWriter:
         self.stats.begin()
         self._submit(None, self._enc.begin(), "the preamble and header")
 
-    def write_layer(self, layer: int, k=None, v=None, *, latent=None) -> None:
+    def write_layer(self, layer: int, k: Any = None, v: Any = None, *, latent: Any = None) -> None:
         """Send layer ``layer``: its [heads, tokens, dim] tensors (k and v, or latent)."""
         if self._closed:
             raise RuntimeError("write_layer() after close()")
