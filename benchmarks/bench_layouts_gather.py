@@ -37,10 +37,11 @@ import torch  # noqa: E402
 
 import kvwire  # noqa: E402
 from kvwire import layouts  # noqa: E402
-from kvwire.integrations.vllm_plan import gather_layer, scatter_layer, slots  # noqa: E402
+from kvwire.layouts import gather_slots, scatter_slots, slots_from_blocks  # noqa: E402
 
-# connector packing name -> (attn_backend, cpu_isa) for bind_vllm; None: no registered layout
-PACKINGS = {"channels": ("FLASH_ATTN", None), "cpu_vec": ("CPU_ATTN", "vec"), "cpu_amx": None}
+# row -> (attention backend, its packing, CPU kernels' ISA); EngineBuffers binds all but the amx tiles
+CASES = {"channels": ("FLASH_ATTN", "channels", None), "tokens, vec": ("CPU_ATTN", "tokens", "vec"),
+         "tokens, amx": ("CPU_ATTN", "tokens", "amx")}
 
 
 def timed(fn, repeat: int, sync) -> float:
@@ -70,25 +71,25 @@ def run(args) -> list[tuple]:
     rows = []
     for order in ("scattered", "consecutive"):
         blocks = rng.permutation(total)[:nblk] if order == "scattered" else np.arange(3, 3 + nblk)
-        ids = slots(blocks, N, 0, tokens)
-        for packing, how in PACKINGS.items():
-            mine = gather_layer(src, ids, D, False, packing)
-            t_g = timed(lambda: gather_layer(src, ids, D, False, packing), args.repeat, sync)
-            t_s = timed(lambda: scatter_layer(dst, ids, mine, D, False, packing), args.repeat, sync)
+        ids = slots_from_blocks(blocks, N, tokens)
+        for case, (backend, packing, isa) in CASES.items():
+            mine = gather_slots(src, ids, D, packing, cpu_isa=isa)
+            t_g = timed(lambda: gather_slots(src, ids, D, packing, cpu_isa=isa), args.repeat, sync)
+            t_s = timed(lambda: scatter_slots(dst, ids, mine, D, packing, cpu_isa=isa), args.repeat, sync)
             eb_g = eb_s = None
-            if how is not None:
-                kw = dict(num_kv_heads=H, head_dim=D, block_size=N, attn_backend=how[0], cpu_isa=how[1],
+            if isa != "amx":
+                kw = dict(num_kv_heads=H, head_dim=D, block_size=N, attn_backend=backend, cpu_isa=isa,
                           kv_cache_layout="LBHNC")
                 eb, eb_dst = layouts.bind_vllm([src], **kw), layouts.bind_vllm([dst], **kw)
                 theirs = eb.gather_layer(0, blocks, tokens)
                 assert all(torch.equal(mine[c].view(torch.int16), theirs[c].contiguous().view(torch.int16))
-                           for c in ("k", "v")), packing
+                           for c in ("k", "v")), case
                 eb_g = timed(lambda: {c: x.contiguous() for c, x in eb.gather_layer(0, blocks, tokens).items()},
                              args.repeat, sync)
                 data = layouts.encode_from_engine(eb, blocks, tokens, chunk_tokens=tokens)
                 with kvwire.open(data) as r:
                     eb_s = timed(lambda: eb_dst.scatter(r, blocks, verify=False).synchronize(), args.repeat, sync)
-            rows.append((order, packing, t_g, eb_g, t_s, eb_s))
+            rows.append((order, case, t_g, eb_g, t_s, eb_s))
     return rows
 
 
@@ -100,7 +101,7 @@ def table(args, rows) -> str:
              f"{args.layer_mib} MiB per layer (K and V), bfloat16, {args.heads} KV heads x head_dim "
              f"{args.head_dim}, block_size {args.block_size}; best of {args.repeat} runs, ms per layer. "
              f"Machine: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads.", "",
-             "| blocks | packing | gather: connector | gather: EngineBuffers | scatter: connector "
+             "| blocks | packing | gather: gather_slots | gather: EngineBuffers | scatter: scatter_slots "
              "| scatter: EngineBuffers |", "|---|---|---:|---:|---:|---:|"]
     for order, packing, g, eg, s, es in rows:
         lines.append(f"| {order} | {packing} | {f(g)} | {f(eg)} | {f(s)} | {f(es)} |")

@@ -27,6 +27,7 @@ import numpy as np
 from ..cache.cuda import int_view
 from ..cache.tensors import as_numpy, as_uint
 from .backends import KV_PACKINGS, cpu_layout_name
+from .ids import id_runs
 
 __all__ = ["AMX_ROWS", "SLOT_PACKINGS", "check_slot_packing", "cpu_amx_views", "cpu_vec_views", "gather_slots",
            "scatter_slots"]
@@ -89,46 +90,55 @@ def cpu_amx_views(kv_layer):
 
 
 def _token_views(kv_layer, form: str, head_dim: int) -> dict:
-    """{component: (view, g, c)}: the component as ``[B, H, N/g, g, D/c, c]`` (integer
-    elements), token t at ``[t//g, t%g]`` and channel d at ``[d//c, d%c]`` of its block and head."""
+    """{component: (view, g, c)}: the component (integer elements) as a strided
+    ``[B, H, N, D]`` view (g = c = 1), or, for tiles, as ``[B, H, N/g, g, D/c, c]`` with token
+    t at ``[t//g, t%g]`` and channel d at ``[d//c, d%c]`` of its block and head."""
     x = int_view(kv_layer)
     if form == "latent":
-        return {"latent": (x.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)}
+        return {"latent": (x, 1, 1)}
     if form == "channels":
-        return {c: (part.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)
-                for c, part in (("k", x[..., :head_dim]), ("v", x[..., head_dim:]))}
+        return {"k": (x[..., :head_dim], 1, 1), "v": (x[..., head_dim:], 1, 1)}
     if form == "vec":
         kt, v = cpu_vec_views(x)
-        return {c: (part.unflatten(2, (-1, 1)).unflatten(4, (-1, 1)), 1, 1)
-                for c, part in (("k", kt.transpose(2, 3)), ("v", v))}
+        return {"k": (kt.transpose(2, 3), 1, 1), "v": (v, 1, 1)}
     k, v = cpu_amx_views(x)  # [B, H, N/16, D/2, 16, 2] and [B, H, D/16, N/2, 16, 2]
     return {"k": (k.permute(0, 1, 2, 4, 3, 5), AMX_ROWS, 2), "v": (v.permute(0, 1, 3, 5, 2, 4), 2, AMX_ROWS)}
 
 
-def _segments(slot_ids: np.ndarray, block_size: int):
-    """(index in slot_ids, block, first offset, length) of each run of consecutive slots
-    inside one block."""
-    if len(slot_ids) == 0:
-        return []
-    cuts = np.flatnonzero((np.diff(slot_ids) != 1) | (slot_ids[1:] % block_size == 0)) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [len(slot_ids)]))
-    first = slot_ids[starts]
-    return zip(starts.tolist(), (first // block_size).tolist(), (first % block_size).tolist(), (ends - starts).tolist())
-
-
-def _pieces(view, g: int, c: int, out, j: int, b: int, o: int, n: int):
-    """(engine part, standard part) pairs covering tokens [o, o+n) of block ``b`` and
-    ``out[:, j:j+n]``: whole groups of ``g`` tokens in one pair, a partial group in another."""
-    lo = min(-(-o // g) * g, o + n)  # the first group boundary (or the end)
-    hi = max((o + n) // g * g, lo)  # the last one: [lo, hi) whole groups, [o, lo) and [hi, o+n) inside one
-    for t0, t1 in ((o, lo), (hi, o + n)):
-        if t1 > t0:
-            dst = out[:, j + t0 - o : j + t1 - o].unflatten(2, (-1, c))  # [H, m, D/c, c]
-            yield view[b, :, t0 // g, t0 % g : t0 % g + t1 - t0], dst
-    if hi > lo:
-        dst = out[:, j + lo - o : j + hi - o].unflatten(1, (-1, g)).unflatten(3, (-1, c))  # [H, m/g, g, D/c, c]
-        yield view[b, :, lo // g : hi // g], dst
+def _copies(view, g: int, c: int, std, ids: np.ndarray, block_size: int):
+    """(engine part, standard part) pairs covering the slots ``ids`` of ``view`` (the
+    component as ``_token_views`` gives it) and ``std`` ([H, len(ids), D]): per run of
+    consecutive slots, its whole blocks in one strided copy, the tokens of a partial block
+    by whole groups of ``g`` (one copy) and the partial groups around them (one each)."""
+    N = block_size
+    vt = view.transpose(0, 1)  # [H, B, N, D] or [H, B, N/g, g, D/c, c]
+    st = std if g == 1 else std.unflatten(2, (-1, c))  # [H, T, D] or [H, T, D/c, c]
+    per_block = (-1, N) if g == 1 else (-1, N // g, g)
+    blocked: dict = {}  # r -> st's tokens [r, r + k*N) as [H, k, N, ...] (slicing it is cheaper)
+    for j, s, n in id_runs(ids):
+        e = s + n
+        lo = min(-(-s // N) * N, e)  # [lo, hi): whole blocks
+        hi = max(e // N * N, lo)
+        if hi > lo:
+            p = j + lo - s
+            r = p % N
+            if r not in blocked:
+                blocked[r] = st[:, r : r + (st.shape[1] - r) // N * N].unflatten(1, per_block)
+            yield vt[:, lo // N : hi // N], blocked[r][:, p // N : p // N + (hi - lo) // N]
+        for t0, t1 in ((s, lo), (hi, e)):  # inside one block: [a, z) whole groups
+            if t1 <= t0:
+                continue
+            b, o, m, at = t0 // N, t0 % N, t1 - t0, j + t0 - s
+            if g == 1:
+                yield vt[:, b, o : o + m], st[:, at : at + m]
+                continue
+            a = min(-(-o // g) * g, o + m)
+            z = max((o + m) // g * g, a)
+            if z > a:
+                yield vt[:, b, a // g : z // g], st[:, at + a - o : at + z - o].unflatten(1, (-1, g))
+            for u0, u1 in ((o, a), (z, o + m)):
+                if u1 > u0:
+                    yield vt[:, b, u0 // g, u0 % g : u1 % g or g], st[:, at + u0 - o : at + u1 - o]
 
 
 def _layout(kv_layer, slot_ids, head_dim: int, packing: str, cpu_isa, indexed):
@@ -158,13 +168,13 @@ def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", c
         blocks, offs = idx // n, idx % n
     for comp, (view, g, c) in views.items():
         if index:
-            x = view[blocks, :, offs // g, offs % g]  # [tokens, H, D/c, c]: one gather kernel
+            x = view[blocks, :, offs] if g == 1 else view[blocks, :, offs // g, offs % g]  # one gather kernel
             out[comp] = x.reshape(t, x.shape[1], -1).permute(1, 0, 2).contiguous().view(kv_layer.dtype)
             continue
-        dst = torch.empty((view.shape[1], t, view.shape[4] * c), dtype=view.dtype, device=view.device)
-        for j, b, o, m in _segments(ids, n):
-            for src, part in _pieces(view, g, c, dst, j, b, o, m):
-                part.copy_(src)
+        dst = torch.empty((view.shape[1], t, view.shape[-2] * c if g > 1 else view.shape[3]), dtype=view.dtype,
+                          device=view.device)
+        for src, part in _copies(view, g, c, dst, ids, n):
+            part.copy_(src)
         out[comp] = dst.view(kv_layer.dtype)
     return out
 
@@ -195,9 +205,11 @@ def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str 
     for comp, (view, g, c) in views.items():
         src = tensor(arrays[comp])
         if index:
-            t, h = src.shape[1], src.shape[0]
-            view[blocks, :, offs // g, offs % g] = src.permute(1, 0, 2).reshape(t, h, -1, c)
+            vals = src.permute(1, 0, 2)  # [tokens, H, D]
+            if g == 1:
+                view[blocks, :, offs] = vals
+            else:
+                view[blocks, :, offs // g, offs % g] = vals.reshape(*vals.shape[:2], -1, c)
             continue
-        for j, b, o, m in _segments(ids, n):
-            for part, vals in _pieces(view, g, c, src, j, b, o, m):
-                part.copy_(vals)
+        for part, vals in _copies(view, g, c, src, ids, n):
+            part.copy_(vals)
