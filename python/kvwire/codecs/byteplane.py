@@ -16,6 +16,7 @@ of content size ``N`` that is shorter than ``N``.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -24,10 +25,10 @@ from ..format.errors import CodecError
 from .kernels import scratch
 from .zstd import decode_body
 
-_WORD = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_WORD: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
-def split(raw, width: int) -> tuple[list, bytes]:
+def split(raw: Any, width: int) -> tuple[list[np.ndarray], bytes]:
     """(planes, tail) of ``raw``: plane 0 the most significant byte of each element."""
     a = np.frombuffer(raw, np.uint8)
     n = len(a) // width
@@ -54,10 +55,11 @@ def plane_compressor(level: int = 1) -> zstandard.ZstdCompressor:
     return zstandard.ZstdCompressor(compression_params=params)
 
 
-def encode(raw, width: int, cctx: zstandard.ZstdCompressor) -> list:
+def encode(raw: Any, width: int, cctx: zstandard.ZstdCompressor) -> list[Any]:
     """Stored pieces of ``raw`` (a bytes-like object) as a byteplane body."""
     planes, tail = split(raw, width)
-    stored = []
+    stored: list[Any] = []
+    p: Any  # a plane: zstandard's stubs ask for bytes, any buffer is compressed
     for p in planes:
         frame = b""
         if len(p) and (len(p) <= SAMPLE or len(cctx.compress(p[:SAMPLE])) < SAMPLE * 0.97):
@@ -67,7 +69,7 @@ def encode(raw, width: int, cctx: zstandard.ZstdCompressor) -> list:
     return [lengths, *stored, tail]
 
 
-def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None,
+def decode(stored: Any, length: int, width: int, *, rule: str = "KVW-BPZ-3", out: Any = None,
            checksum_required: bool = False) -> np.ndarray:
     """The ``length`` bytes a byteplane body of element width ``width`` encodes (uint8 array),
     written into ``out`` (a writable buffer of ``length`` bytes) when given.
@@ -103,10 +105,11 @@ def decode(stored, length: int, width: int, *, rule: str = "KVW-BPZ-3", out=None
         for j, src in enumerate(srcs):
             planes[:, width - 1 - j] = src
     out[n * width:] = np.frombuffer(mv[at:], np.uint8)
-    return out
+    result: np.ndarray = out
+    return result
 
 
-def _combine(srcs: list, words: np.ndarray, width: int) -> None:
+def _combine(srcs: list[np.ndarray], words: np.ndarray, width: int) -> None:
     """Shift the planes into ``words`` (any shape and strides): plane 0 is the most significant byte."""
     shape = words.shape
     np.left_shift(srcs[0].reshape(shape), 8 * (width - 1), out=words, dtype=words.dtype)

@@ -11,16 +11,20 @@ strided).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from . import byteplane, native, quant
 from ..format.codec_specs import CodecSpec
 from ..format.errors import CodecError, FormatError
+from ..format.header import Header
 from ..format.sparse import retained_count
+from . import byteplane, native, quant
 from .kernels import scratch
 from .zstd import checksum_required, decode_body
 
-def lossy_range(h, layer: int, head: int = 0) -> tuple[int, int]:
+
+def lossy_range(h: Header, layer: int, head: int = 0) -> tuple[int, int]:
     """``[lo, hi)`` in which sink and residual tokens are counted (KVW-LOSSY-1): the layer's
     token range, or in a sparse container the head's retained index space
     ``[0, count(layer, head))`` (KVW-CSPEC-8)."""
@@ -30,8 +34,8 @@ def lossy_range(h, layer: int, head: int = 0) -> tuple[int, int]:
     return r.start, r.stop
 
 
-def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, shape: tuple, layer: int,
-                 token_start: int, out=None, head: int = 0):
+def decode_chunk(header: Header, codec: str, spec_index: int, stored: Any, raw_length: int, shape: tuple[int, ...],
+                 layer: int, token_start: int, out: Any = None, head: int = 0) -> Any:
     """Raw bytes (header dtype) of one chunk body, whatever its pipeline.
 
     ``spec_index`` is the record's ``codec_spec`` (``reserved0``; 0 without the feature),
@@ -50,6 +54,7 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
         return decode_body(codec, stored, raw_length, out, checksum_required=need)
     h = header
     spec = h.codec_specs[spec_index - 1]  # in range and matching: checked with the records (KVW-CSPEC-9)
+    target: Any
     if isinstance(out, np.ndarray) and out.ndim == 3:  # [H, T, D] of the dtype's width, any strides
         if tuple(out.shape) != tuple(shape) or out.dtype.itemsize != h.itemsize:
             raise ValueError(f"out is {out.shape} {out.dtype}, the chunk is {tuple(shape)} {h.dtype}")
@@ -74,7 +79,7 @@ def decode_chunk(header, codec: str, spec_index: int, stored, raw_length: int, s
     return data if out is None else out
 
 
-def _lossless_stage(spec: CodecSpec, stored, length: int, width: int, need_checksum: bool = False):
+def _lossless_stage(spec: CodecSpec, stored: Any, length: int, width: int, need_checksum: bool = False) -> Any:
     """The lossy body (``length`` bytes) under a chunk's stored bytes (KVW-CSPEC-7); with a
     lossless stage, a per-thread scratch buffer valid until this thread's next call."""
     n = memoryview(stored).nbytes
@@ -90,7 +95,8 @@ def _lossless_stage(spec: CodecSpec, stored, length: int, width: int, need_check
     return byteplane.decode(stored, length, width, rule="KVW-CSPEC-7", out=body, checksum_required=need_checksum)
 
 
-def _native(header, codec, spec_index, stored, raw_length, shape, layer, token_start, out, head):
+def _native(header: Header, codec: str, spec_index: int, stored: Any, raw_length: int, shape: tuple[int, ...],
+            layer: int, token_start: int, out: Any, head: int) -> Any:
     """``decode_chunk`` through libkvwire, or None when it does not take the request."""
     if isinstance(out, list):
         return None

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any
 
 __all__ = ["CodecCost", "ModelCost", "Plan", "ChunkDecision", "plan", "parse_bandwidth", "parse_codec", "parse_model",
            "sweep", "DEFAULT_CODECS", "MODELS"]
@@ -101,7 +102,7 @@ class Plan:
 
     bandwidth_bps: float
     context_tokens: int
-    chunks: list = field(default_factory=list)
+    chunks: list[ChunkDecision] = field(default_factory=list)
     recompute_all_s: float = 0.0
     serial_s: float = 0.0
     pipelined_s: float = 0.0
@@ -123,10 +124,10 @@ class Plan:
         """Recompute-everything time over this plan's pipelined time."""
         return self.recompute_all_s / self.pipelined_s if self.pipelined_s else 1.0
 
-    def runs(self) -> list:
+    def runs(self) -> list[tuple[int, int, str, str | None, float, float]]:
         """Consecutive chunks with the same decision, as (token_start, tokens, action, codec,
         recompute_s, load_s) with the times summed."""
-        out = []
+        out: list[tuple[int, int, str, str | None, float, float]] = []
         for c in self.chunks:
             if out and out[-1][2:4] == (c.action, c.codec):
                 s, n, a, k, r, ld = out[-1]
@@ -150,7 +151,7 @@ class Plan:
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
-def parse_bandwidth(value) -> float:
+def parse_bandwidth(value: Any) -> float:
     """Bits per second from a number (bits/s) or text: '32Gbps', '100 Gbit/s', '4 GB/s'."""
     if isinstance(value, (int, float)):
         bps = float(value)
@@ -176,7 +177,7 @@ def recompute_seconds(model: ModelCost, start: int, tokens: int, prefill_tokens_
     return tokens * (1.0 + mean_pos / model.half_tokens) / prefill_tokens_per_s
 
 
-def plan(bandwidth, context_tokens: int, prefill_tokens_per_s: float, codecs: Sequence[CodecCost] = DEFAULT_CODECS,
+def plan(bandwidth: Any, context_tokens: int, prefill_tokens_per_s: float, codecs: Sequence[CodecCost] = DEFAULT_CODECS,
          *, model: ModelCost | str = "llama-3-8b", chunk_tokens: int = 256, cached_tokens: int = 0,
          latency_s: float = 0.0, prefer: str = "fastest") -> Plan:
     """Decide, per chunk of ``chunk_tokens``, load (with which codec) or recompute.
@@ -270,11 +271,12 @@ def parse_model(text: str) -> ModelCost:
     parts = text.split(":")
     if len(parts) != 5:
         raise ValueError(f"model {text!r}: one of {sorted(MODELS)} or layers:kv_heads:head_dim:q_heads:params")
-    return ModelCost(*(int(x) for x in parts[:4]), float(parts[4]))
+    layers, kv_heads, head_dim, q_heads = (int(x) for x in parts[:4])
+    return ModelCost(layers, kv_heads, head_dim, q_heads, float(parts[4]))
 
 
-def sweep(prefill_tokens_per_s: float, codecs=DEFAULT_CODECS, *, bandwidths=SWEEP_BANDWIDTHS,
-          contexts=SWEEP_CONTEXTS, **kw) -> str:
+def sweep(prefill_tokens_per_s: float, codecs: Sequence[CodecCost] = DEFAULT_CODECS, *,
+          bandwidths: Sequence[Any] = SWEEP_BANDWIDTHS, contexts: Sequence[int] = SWEEP_CONTEXTS, **kw: Any) -> str:
     """Markdown matrix: fraction of the context loaded (and speedup) per bandwidth x context."""
     rows = ["| context | " + " | ".join(bandwidths) + " |", "|---|" + "---|" * len(bandwidths)]
     for n in contexts:

@@ -4,11 +4,13 @@ choice into "raw", "zstd" or a ``CodecSpec`` (spec/codecs.md)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from ..format import registry as R
 from ..format.codec_specs import CodecSpec
 
-def _kivi(bits: int) -> dict:
+
+def _kivi(bits: int) -> dict[str, CodecSpec]:
     """KIVI (arXiv 2402.02750): keys per channel over groups of 32 tokens, values per token
     over groups of 32 channels, min-max asymmetric, the last 128 tokens in full precision."""
     base = CodecSpec("int_affine", bits=bits, group_size=32, scale_dtype="f16", residual_tokens=128)
@@ -26,7 +28,7 @@ def _lloyd(bits: int) -> CodecSpec:
                      scale_dtype="f16", rotation="hadamard", rotation_seed=ROTATION_SEED, codebook="gaussian")
 
 
-def _kchan(bits: int, values: CodecSpec) -> dict:
+def _kchan(bits: int, values: CodecSpec) -> dict[str, CodecSpec]:
     """Keys (and MLA latents) per channel over groups of 64 tokens, min-max, f16 scale and min
     (KIVI's keys without its residual window), values ``values``: measured on keys with
     Llama-like outlier channels (benchmarks/results/rotation.md), per-channel key groups keep
@@ -35,7 +37,7 @@ def _kchan(bits: int, values: CodecSpec) -> dict:
     return {"k": keys, "v": values, "latent": keys}
 
 
-def _turboquant(k_bits: int, v_bits: int) -> dict:
+def _turboquant(k_bits: int, v_bits: int) -> dict[str, CodecSpec]:
     """vLLM 0.32's ``turboquant_*_nc`` caches (revision 1.3, spec/codecs.md section 9):
     keys rotated without signs onto vLLM's Lloyd-Max table with one f16 norm per row, values
     min-max per row with an f16 scale and minimum: the numbers such a cache holds."""
@@ -82,7 +84,7 @@ PRESETS = {
 }
 
 
-def resolve(choice, component: str):
+def resolve(choice: Any, component: str) -> str | CodecSpec:
     """A codec choice (name, CodecSpec, preset or None) for one component: "raw", "zstd"
     or a CodecSpec."""
     if choice is None:
@@ -92,7 +94,8 @@ def resolve(choice, component: str):
     if isinstance(choice, dict):  # a preset's {component: spec}
         return resolve(choice.get(component, "raw"), component)
     if choice in ("raw", "zstd"):
-        return choice
+        name: str = choice
+        return name
     if choice in PRESETS:
         return resolve(PRESETS[choice], component)
     if choice in R.CODECS:  # "byteplane_zstd", "fp8", "int_affine" with default parameters

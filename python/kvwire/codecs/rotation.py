@@ -14,11 +14,14 @@ the writer's, the inverse one every reader's (KVW-ROT-6).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from ..format import registry as RG
+from ..format.codec_specs import CodecSpec
 from . import kernels as K
 from . import scales as SC
 
@@ -55,8 +58,10 @@ def c_b(block: int) -> np.float32:
     """fp32(1 / sqrt(B)) rounded to nearest: a power of two, times fp32(1 / sqrt(2)) for odd log2(B)."""
     k = block.bit_length() - 1
     if k % 2 == 0:
-        return np.float32(2.0 ** (-k // 2))
-    return np.float32(np.ldexp(_RSQRT2, -((k - 1) // 2)))
+        even: np.float32 = np.float32(2.0 ** (-k // 2))
+        return even
+    odd: np.float32 = np.float32(np.ldexp(_RSQRT2, -((k - 1) // 2)))
+    return odd
 
 
 @lru_cache(maxsize=64)
@@ -67,7 +72,7 @@ def signs(seed: int, dim: int) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * _MIX1
         z = (z ^ (z >> np.uint64(27))) * _MIX2
         z = z ^ (z >> np.uint64(31))
-    out = np.where((z >> np.uint64(63)) == 1, np.float32(-1), np.float32(1)).astype(F32)
+    out: np.ndarray = np.where((z >> np.uint64(63)) == 1, np.float32(-1), np.float32(1)).astype(F32)
     out.flags.writeable = False
     return out
 
@@ -146,7 +151,7 @@ def gaussian_values(u: np.ndarray, bits: int) -> np.ndarray:
     return GAUSSIAN_LEVELS[bits][u.astype(np.intp)]
 
 
-def gaussian_scales(y: np.ndarray, spec, reduce) -> tuple[np.ndarray, np.ndarray, bool]:
+def gaussian_scales(y: np.ndarray, spec: CodecSpec, reduce: Callable[..., Any]) -> tuple[np.ndarray, np.ndarray, bool]:
     """The writer's Gaussian-codebook scales of rotated ``y`` [H, M, D] (section 8.4): each
     group's root mean square ``sqrt(q / n)`` in fp32, ``q`` the squares added one at a time
     in the group's order, rounded to ``scale_dtype`` to nearest. ``reduce`` is
@@ -197,7 +202,8 @@ def faithful(x: np.ndarray, decoded: np.ndarray) -> bool:
     return bool(((d != 0).any(axis=-1) | ~live).all())
 
 
-def gaussian_body(y: np.ndarray, spec, dtype: str, pieces: list, reduce, apply) -> tuple[list, bool]:
+def gaussian_body(y: np.ndarray, spec: CodecSpec, dtype: str, pieces: list[Any], reduce: Callable[..., Any],
+                  apply: Callable[..., Any]) -> tuple[list[Any], bool]:
     """Gaussian-codebook body of rotated (or plain) ``y`` (section 8.4): RMS scales, nearest
     levels; ``reduce`` and ``apply`` are ``quant.group_reduce`` and ``quant.group_apply``.
     Returns the pieces and whether the chunk must be checked on its decoded values
@@ -216,7 +222,8 @@ def gaussian_body(y: np.ndarray, spec, dtype: str, pieces: list, reduce, apply) 
     return body, suspect
 
 
-def check_encoded(X: np.ndarray, rows, dim: int, spec, dtype: str, decoded, force: bool = False) -> None:
+def check_encoded(X: np.ndarray, rows: np.ndarray | None, dim: int, spec: CodecSpec, dtype: str,
+                  decoded: Callable[[], np.ndarray], force: bool = False) -> None:
     """KVW-ROT-7 for a chunk's quantized part ``X``: by construction when every nonzero row's
     largest magnitude (``rows``, computed here when None) is inside ``band``, else on
     ``decoded()``, the chunk's decoded quantized part. Raises ``NotFaithful``."""

@@ -45,7 +45,8 @@ def _step(r: np.ndarray, up: bool) -> np.ndarray:
     out = np.where(grow, u + 1, u - 1).astype(u.dtype)
     zero = mag == 0  # +-0 toward the other side: the smallest subnormal of that sign
     out[zero] = 1 if up else (sign | 1)
-    return out.view(r.dtype)
+    nxt: np.ndarray = out.view(r.dtype)
+    return nxt
 
 
 def round_dir(v: np.ndarray, dtype: str, up: bool) -> np.ndarray:
@@ -86,8 +87,9 @@ def step_down(r: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def tolerance(need: np.ndarray, amax: np.ndarray, scale_dtype: str, dtype: str) -> np.ndarray:
     """Largest stored scale a group may use: twice the larger of the exact scale, the scale
     dtype's precision at the group's magnitude and the header dtype's smallest step."""
-    return 2 * np.maximum(np.maximum(need, amax * np.float32(2.0 ** -PRECISION[scale_dtype])),
-                          np.float32(SMALLEST[dtype]))
+    floor: np.ndarray = 2 * np.maximum(np.maximum(need, amax * np.float32(2.0 ** -PRECISION[scale_dtype])),
+                                       np.float32(SMALLEST[dtype]))
+    return floor
 
 
 def check(ok: np.ndarray, what: str) -> None:

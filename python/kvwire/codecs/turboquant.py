@@ -16,9 +16,12 @@ rotation, midpoints of vLLM's scaled table).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..format import registry as RG
+from ..format.codec_specs import CodecSpec
 from ..format.errors import CodecError
 from . import kernels as K
 from . import rotation as RT
@@ -36,7 +39,7 @@ _LEVEL_BITS = {
 }
 
 
-def _full(upper: tuple) -> np.ndarray:
+def _full(upper: tuple[int, ...]) -> np.ndarray:
     u = np.array(upper, np.uint32).view(F32)
     out = np.concatenate([-u[::-1], u])
     out.flags.writeable = False
@@ -55,10 +58,11 @@ def vllm_table(bits: int, dim: int) -> np.ndarray:
     """vLLM's own table for ``dim`` (``solve_lloyd_max(dim, bits)`` in fp32): ``L`` times
     ``2^-((k - 7) / 2)`` (odd ``k = log2(dim)``) or ``2^-((k - 6) / 2)`` (even), exactly."""
     k = dim.bit_length() - 1
-    return np.ldexp(levels(bits, dim), -((k - 7) // 2 if k % 2 else (k - 6) // 2)).astype(F32)
+    scaled: np.ndarray = np.ldexp(levels(bits, dim), -((k - 7) // 2 if k % 2 else (k - 6) // 2)).astype(F32)
+    return scaled
 
 
-def check_geometry(spec, dim: int) -> None:
+def check_geometry(spec: CodecSpec, dim: int) -> None:
     """KVW-TQ-2 at a chunk: ``D`` a power of two, one group per token row."""
     if dim & (dim - 1) or spec.group_size < dim:
         raise CodecError("DECODE_FAILED", f"the turboquant codebook needs head_dim a power of two and group_size >= "
@@ -87,7 +91,7 @@ def values(u: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
     return v
 
 
-def body(y: np.ndarray, spec, pieces: list) -> list:
+def body(y: np.ndarray, spec: CodecSpec, pieces: list[Any]) -> list[Any]:
     """The writer's body of unrotated fp32 rows ``y`` [H, M, D] (section 9, informative; ``y``
     is overwritten): norms, unit rows, the rotation (signed when ``spec.rotation`` is
     ``hadamard``, as section 8.4 allows), codes against the midpoints of vLLM's table,

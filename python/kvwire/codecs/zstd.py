@@ -17,6 +17,7 @@ makes every reader reject such a frame instead of returning its own reading of i
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import zstandard
 
@@ -26,22 +27,23 @@ DEFAULT_ZSTD_LEVEL = 3
 CHECKSUM_MINOR = 4  # KVW-CODEC-5: from this format_minor on, every zstd frame must carry a content checksum
 
 
-def checksum_required(header) -> bool:
+def checksum_required(header: Any) -> bool:
     """Whether ``header``'s container must checksum every zstd frame (KVW-CODEC-5)."""
-    return header.format_minor >= CHECKSUM_MINOR
+    required: bool = header.format_minor >= CHECKSUM_MINOR
+    return required
 
 
 class BodyEncoder:
     """Encodes bodies with one codec, reusing its compression context across chunks."""
 
-    def __init__(self, codec: str, level: int = DEFAULT_ZSTD_LEVEL):
+    def __init__(self, codec: str, level: int = DEFAULT_ZSTD_LEVEL) -> None:
         if codec not in ("raw", "zstd"):
             raise ValueError(f"unknown codec {codec!r}")
         self.codec = codec
         self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True) \
             if codec == "zstd" else None
 
-    def encode(self, pieces: list) -> list:
+    def encode(self, pieces: list[Any]) -> list[Any]:
         """Stored form of a body given as buffers whose concatenation is the raw body."""
         if self._cctx is None:
             return list(pieces)
@@ -60,7 +62,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def decode_body(codec: str, stored, raw_length: int, out=None, *, checksum_required: bool = False):
+def decode_body(codec: str, stored: Any, raw_length: int, out: Any = None, *, checksum_required: bool = False) -> Any:
     """Raw bytes of a body. ``raw`` returns ``stored`` itself (a view); ``zstd`` decodes,
     into ``out`` when given: a writable buffer of raw_length bytes, or a list of writable
     byte buffers whose concatenation is (for example one run per head of a placement).
@@ -116,7 +118,7 @@ def decode_body(codec: str, stored, raw_length: int, out=None, *, checksum_requi
 _BLOCK_WALK = 4096  # decoded bytes per block assumed by the walk's bound (libzstd's block splitter stays above)
 
 
-def _frame_end(stored, raw_length: int, checksum: bool) -> int | None:
+def _frame_end(stored: Any, raw_length: int, checksum: bool) -> int | None:
     """Where the zstd frame at the start of ``stored`` ends, from its block headers (and the
     4-byte content checksum when the frame header, already parsed by the caller, says it has
     one); None when it is not found within ``raw_length / 4096 + 16`` blocks, more than an
@@ -140,7 +142,7 @@ def _frame_end(stored, raw_length: int, checksum: bool) -> int | None:
     return None
 
 
-def _decompress_into(stored, raw_length: int, targets: list) -> None:
+def _decompress_into(stored: Any, raw_length: int, targets: list[memoryview]) -> None:
     """Decompress one whole zstd frame (``stored`` holds exactly it) into ``targets``."""
     try:
         with _decompressor().stream_reader(stored, read_across_frames=False) as reader:
