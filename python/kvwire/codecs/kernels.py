@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ _LOCAL = threading.local()
 POOL_LIMIT = 64 << 20  # bytes: larger temporaries are allocated per call
 
 
-def scratch(slot: int, shape, dtype) -> np.ndarray:
+def scratch(slot: int, shape: Any, dtype: Any) -> np.ndarray:
     """A reusable uninitialized array for this thread: valid until the next call with the same
     ``slot``, so it must never leave the codec (results the caller keeps are fresh arrays)."""
     try:
@@ -52,7 +53,8 @@ def scratch(slot: int, shape, dtype) -> np.ndarray:
     buf = pool.get(slot)
     if buf is None or len(buf) < n:
         buf = pool[slot] = np.empty(max(n, 64), np.uint8)
-    return buf[:n].view(dtype).reshape(shape)
+    view: np.ndarray = buf[:n].view(dtype).reshape(shape)
+    return view
 
 
 def f16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -67,7 +69,7 @@ def f16_table() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(F32)
 
 
-def fp8_specials(codes: np.ndarray, fmt: str) -> tuple:
+def fp8_specials(codes: np.ndarray, fmt: str) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(NaN mask or None, +-infinity mask or None) of fp8 ``codes`` (uint8); scratch arrays."""
     work = scratch(1, codes.shape, np.uint8)
     mask = scratch(2, codes.shape, np.bool_)
@@ -88,7 +90,8 @@ def fp8_specials(codes: np.ndarray, fmt: str) -> tuple:
     return (nan if nan.any() else None), (inf if inf.any() else None)
 
 
-def fp8_times(codes: np.ndarray, fmt: str, scale: np.ndarray, nan_mask=None, inf_mask=None) -> np.ndarray:
+def fp8_times(codes: np.ndarray, fmt: str, scale: np.ndarray, nan_mask: np.ndarray | None = None,
+              inf_mask: np.ndarray | None = None) -> np.ndarray:
     """fp32 ``fp8_value(code) * scale`` (one fp32 rounding) for uint8 ``codes``; ``scale`` a
     positive fp32 array broadcastable to ``codes``. NaN codes give unspecified values (the
     caller writes canonical NaNs over them, KVW-LOSSY-4); infinity codes give infinity."""
@@ -114,7 +117,7 @@ def fp8_times(codes: np.ndarray, fmt: str, scale: np.ndarray, nan_mask=None, inf
     return v
 
 
-def unpack_f32(packed: np.ndarray, bits: int, n: int, offset: int = 0) -> np.ndarray:
+def unpack_f32(packed: np.ndarray, bits: int, n: int, offset: int = 0) -> np.ndarray | None:
     """The first ``n`` codes (least significant bits first, KVW-INT-4) of ``packed`` as fp32,
     minus ``offset``; ``None`` when padding bits after the last code are set."""
     v = scratch(0, n, F32)
@@ -147,7 +150,8 @@ def unpack_f32(packed: np.ndarray, bits: int, n: int, offset: int = 0) -> np.nda
     return v
 
 
-def to_header(v: np.ndarray, dtype: str, np_dtype, dst: np.ndarray, nan_mask=None, nan_bits: int = 0) -> None:
+def to_header(v: np.ndarray, dtype: str, np_dtype: np.dtype[Any], dst: np.ndarray, nan_mask: np.ndarray | None = None,
+              nan_bits: int = 0) -> None:
     """fp32 ``v`` rounded to the header dtype into ``dst`` (KVW-LOSSY-4): nearest-even,
     overflow to infinity, canonical NaN (``nan_bits``) where ``nan_mask``. May overwrite ``v``."""
     if dtype == "f32":
@@ -156,14 +160,15 @@ def to_header(v: np.ndarray, dtype: str, np_dtype, dst: np.ndarray, nan_mask=Non
         with np.errstate(over="ignore"):
             np.copyto(dst.view(np_dtype), v, casting="unsafe")
     if nan_mask is not None:
-        dst.view({2: U16, 4: U32}[np_dtype.itemsize])[nan_mask] = nan_bits
+        words: dict[int, np.dtype[Any]] = {2: U16, 4: U32}
+        dst.view(words[np_dtype.itemsize])[nan_mask] = nan_bits
 
 
 # ---------------------------------------------------------------------------------------
 # Encoding kernels (the reference writer; readers need only the decoding side)
 # ---------------------------------------------------------------------------------------
 
-def f32_to_fp8(q: np.ndarray, fmt: str, fp8_dtype) -> np.ndarray:
+def f32_to_fp8(q: np.ndarray, fmt: str, fp8_dtype: Any) -> np.ndarray:
     """uint8 fp8 codes (a fresh array) of fp32 ``q`` (C-contiguous, already within +-largest
     finite, NaN allowed), rounded to nearest even exactly like ml_dtypes' cast (``fp8_dtype``),
     whose per-element conversion costs ~25 ns an element: normal results round by integer
@@ -240,24 +245,27 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
-def group_extreme(block: np.ndarray, axis: int, fn) -> np.ndarray:
+def group_extreme(block: np.ndarray, axis: int, fn: np.ufunc) -> np.ndarray:
     """``fn.reduce(block, axis)`` for ``fn`` np.maximum or np.minimum. Over the last axis of a
     C-contiguous block, numpy reduces each short row separately (~1.8 ns an element for rows
     of 32, measured); ``reduceat`` over the flat array gives the same values in ~1.3 ns."""
     G = block.shape[axis]
     if axis != block.ndim - 1 or G < 2 or not block.flags.c_contiguous:
-        return fn.reduce(block, axis=axis)
+        whole: np.ndarray = fn.reduce(block, axis=axis)
+        return whole
     starts = np.arange(0, block.size, G)
-    return fn.reduceat(block.reshape(-1), starts).reshape(block.shape[:-1])
+    rows: np.ndarray = fn.reduceat(block.reshape(-1), starts).reshape(block.shape[:-1])
+    return rows
 
 
 def amax_of(mx: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """Largest magnitude from a group's max and min (NaN propagates; +0, never -0)."""
     with np.errstate(invalid="ignore"):
-        return np.maximum(mx, -mn) + np.float32(0)
+        amax: np.ndarray = np.maximum(mx, -mn) + np.float32(0)
+        return amax
 
 
-def quantize(blk: np.ndarray, s: np.ndarray, z, lo: int, hi: int, offset: int) -> np.ndarray:
+def quantize(blk: np.ndarray, s: np.ndarray, z: np.ndarray | None, lo: int, hi: int, offset: int) -> np.ndarray:
     """In place: ``clip(rint((blk - z) / s), lo, hi) + offset``, code 0 (before the offset)
     where a group's scale is 0 (KVW-INT-6)."""
     if z is not None:
@@ -275,12 +283,12 @@ def quantize(blk: np.ndarray, s: np.ndarray, z, lo: int, hi: int, offset: int) -
     return blk
 
 
-def _unpack3(packed: np.ndarray, n: int, v: np.ndarray, offset: int):
+def _unpack3(packed: np.ndarray, n: int, v: np.ndarray, offset: int) -> np.ndarray | None:
     """3-bit codes (revision 1.2, KVW-ROT-3): 8 codes in each 3 bytes, a little-endian 24-bit
     word; ``None`` when a bit after the last code is set."""
     nb = len(packed)
     groups = -(-nb // 3)
-    w = np.zeros(groups * 3, np.uint32)
+    w: np.ndarray = np.zeros(groups * 3, np.uint32)
     w[:nb] = packed
     w = w.reshape(groups, 3)
     word = w[:, 0] | (w[:, 1] << np.uint32(8)) | (w[:, 2] << np.uint32(16))
@@ -299,7 +307,7 @@ def _unpack3(packed: np.ndarray, n: int, v: np.ndarray, offset: int):
 def _pack3(q: np.ndarray, n: int) -> np.ndarray:
     """Integer-valued fp32 codes (each < 8) as the 3-bit string of KVW-ROT-3 (a fresh array)."""
     groups = -(-n // 8)
-    c = np.zeros(groups * 8, np.uint32)
+    c: np.ndarray = np.zeros(groups * 8, np.uint32)
     np.copyto(c[:n], q.reshape(-1), casting="unsafe")
     c = c.reshape(groups, 8)
     word = np.zeros(groups, np.uint32)
@@ -308,4 +316,5 @@ def _pack3(q: np.ndarray, n: int) -> np.ndarray:
     out = np.empty((groups, 3), np.uint8)
     for k in range(3):
         np.copyto(out[:, k], (word >> np.uint32(8 * k)) & np.uint32(0xFF), casting="unsafe")
-    return out.reshape(-1)[: -(-n * 3 // 8)].copy()
+    packed: np.ndarray = out.reshape(-1)[: -(-n * 3 // 8)].copy()
+    return packed

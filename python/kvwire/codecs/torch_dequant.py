@@ -10,16 +10,24 @@ bytes of host reads instead of one device sync per chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
+from ..format import registry as R
+from ..format.codec_specs import CodecSpec
 from ..format.errors import CodecError
 from . import quant
+from .quant import Layout
+
+# torch is imported on first use and passed in: its tensors are typed Any here
 
 _TORCH_DT = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 _INT_DT = {2: "int16", 4: "int32"}
 
 
-def _params_np(b: np.ndarray, at: int, lay, sd: str):
+def _params_np(b: np.ndarray, at: int, lay: Layout, sd: str) -> tuple[np.ndarray, int]:
     n = lay.param_count
     raw = b[at: at + n * lay.param_size]
     if sd == "f32":
@@ -31,7 +39,7 @@ def _params_np(b: np.ndarray, at: int, lay, sd: str):
     return p, at + n * lay.param_size
 
 
-def check(spec, body, lay) -> None:
+def check(spec: CodecSpec, body: Any, lay: Layout) -> None:
     """Raise the numpy decoder's CodecError for a bad length, parameter or padding."""
     b = np.frombuffer(body, np.uint8)
     if len(b) != lay.length:
@@ -40,7 +48,7 @@ def check(spec, body, lay) -> None:
     if not lay.M:
         return
     at = lay.fp_bytes
-    checks = [("f32", "KVW-FP8-3", "finite and > 0", lambda p: ~np.isfinite(p) | ~(p > 0))] if spec.codec == "fp8" \
+    checks: list[tuple[str, str, str, Callable[[np.ndarray], np.ndarray]]] = [("f32", "KVW-FP8-3", "finite and > 0", lambda p: ~np.isfinite(p) | ~(p > 0))] if spec.codec == "fp8" \
         else [(spec.scale_dtype, "KVW-INT-3", "finite with the sign bit clear",
                lambda p: ~np.isfinite(p) | np.signbit(p))] + \
         ([(spec.scale_dtype, "KVW-INT-3", "finite", lambda p: ~np.isfinite(p))] if lay.zeros else [])
@@ -55,24 +63,24 @@ def check(spec, body, lay) -> None:
         raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero", rule="KVW-INT-4")
 
 
-def _params_t(torch, b, at: int, lay, sd: str):
+def _params_t(torch: Any, b: Any, at: int, lay: Layout, sd: str) -> tuple[Any, int]:
     n = lay.param_count
     raw = b[at: at + n * lay.param_size].clone()
     p = raw.view(getattr(torch, _TORCH_DT[sd])).to(torch.float32)
     return p.reshape(lay.groups), at + n * lay.param_size
 
 
-def _store(torch, v, dst, dtype: str) -> None:
+def _store(torch: Any, v: Any, dst: Any, dtype: str) -> None:
     """fp32 ``v`` -> header dtype (RNE) into ``dst``, NaN canonical."""
     out = v.to(getattr(torch, _TORCH_DT[dtype]))
-    iv = out.view(getattr(torch, _INT_DT[quant.R.DTYPES[dtype][1]]))
+    iv = out.view(getattr(torch, _INT_DT[R.DTYPES[dtype][1]]))
     nan = torch.isnan(v)
     bits = quant.CANONICAL_NAN[dtype]
     iv.masked_fill_(nan, bits)  # all canonical NaNs have the sign bit clear: fit the signed view
     dst.copy_(out)
 
 
-def _expand(p, spec, M: int, D: int):
+def _expand(p: Any, spec: CodecSpec, M: int, D: int) -> Any:
     """Scales shaped [H, groups, ...] broadcast to [H, M, D]."""
     G = spec.group_size
     if spec.group_axis == "tokens":
@@ -80,7 +88,7 @@ def _expand(p, spec, M: int, D: int):
     return p.repeat_interleave(G, dim=2)[:, :, :D]
 
 
-def dequant(spec, body, lay, dtype: str, dst, checked: bool = False):
+def dequant(spec: CodecSpec, body: Any, lay: Layout, dtype: str, dst: Any, checked: bool = False) -> Any:
     """Decode the lossy body ``body`` (uint8 tensor, any device) into ``dst`` ([H, T, D]
     tensor of the header dtype, or an integer view of its width, on the same device)."""
     import torch
