@@ -160,8 +160,8 @@ LABELS = {
 
 
 def render(c_rows, py_rows, config, info, args):
-    gb = lambda r: r["bytes"] / r["median_ns"]  # noqa: E731  bytes/ns == GB/s
-    gbmin = lambda r: r["bytes"] / r["min_ns"]  # noqa: E731  the best run: least disturbed by other load
+    gb = lambda r: r["bytes"] / r["median_ns"]  # bytes/ns == GB/s
+    gbmin = lambda r: r["bytes"] / r["min_ns"]  # the best run: least disturbed by other load
     xxh = gbmin(c_rows["xxh3"])
     mem = gbmin(c_rows["memcpy"])
     L = ["# libkvwire (C) benchmark", ""]

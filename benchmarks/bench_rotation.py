@@ -102,7 +102,7 @@ def variants() -> list:
             ("lloyd4-k-only", kv(l4, "raw")), ("lloyd4-v-only", kv("raw", l4))]
 
 
-def KCHAN(bits: int, tokens: int = 32):  # noqa: N802
+def KCHAN(bits: int, tokens: int = 32):  # noqa: N802  (named like the presets it builds)
     """Keys per channel over groups of ``tokens`` tokens, min-max, f16 (KIVI's keys without its window)."""
     from kvwire.format.codec_specs import CodecSpec
 

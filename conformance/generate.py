@@ -1329,18 +1329,18 @@ class pytest_raises:  # a tiny stand-in for pytest.raises (the generator does no
         return True
 
 
-import add_codecs  # noqa: E402  (conformance/, next to this script)
-import add_sparse  # noqa: E402  (spec/sparse.md)
-import add_crossmodel  # noqa: E402  (spec/crossmodel.md)
-import add_final  # noqa: E402  (spec 1.0 Final corrections, issue 13)
-import add_parse_budget  # noqa: E402  (KVW-LIM-7)
-import add_lossy  # noqa: E402  (spec/codecs.md KVW-LOSSY-5/6)
-import add_stream_hostile  # noqa: E402  (KVW-LIM-8)
-import add_kv_scales  # noqa: E402  (revision 1.1: section 5.10, feature kv_scales)
-import add_rotation  # noqa: E402  (revision 1.2: spec/codecs.md section 8, feature rotation)
-import add_turboquant  # noqa: E402  (revision 1.3: spec/codecs.md section 9, feature turboquant)
-import add_zstd_checksums  # noqa: E402  (revision 1.4: zstd content checksums, KVW-CODEC-4/5)
-import add_clarifications  # noqa: E402  (the 1.4 text clarifications, spec Appendix D)
+import add_codecs  # conformance/, next to this script
+import add_sparse  # spec/sparse.md
+import add_crossmodel  # spec/crossmodel.md
+import add_final  # spec 1.0 Final corrections, issue 13
+import add_parse_budget  # KVW-LIM-7
+import add_lossy  # spec/codecs.md KVW-LOSSY-5/6
+import add_stream_hostile  # KVW-LIM-8
+import add_kv_scales  # revision 1.1: section 5.10, feature kv_scales
+import add_rotation  # revision 1.2: spec/codecs.md section 8, feature rotation
+import add_turboquant  # revision 1.3: spec/codecs.md section 9, feature turboquant
+import add_zstd_checksums  # revision 1.4: zstd content checksums, KVW-CODEC-4/5
+import add_clarifications  # the 1.4 text clarifications, spec Appendix D
 
 ADDITIONS = {
     "final_1_0": add_final.ADDITION,

@@ -175,7 +175,7 @@ def _reseal(b: bytearray) -> None:
         from kvwire.format.header import parse_header
 
         alignment = parse_header(bytes(b[32 : 32 + hlen])).alignment
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (a mutated header: the default alignment)
         pass
     file_form = n >= 64 and bytes(b[-8:]) == TRAILER_MAGIC
     pos = next_frame_offset(32 + hlen, alignment)
@@ -214,5 +214,5 @@ def _index_records(b: bytearray) -> bytes | None:
         return None
     try:
         return parse_index(bytes(b[index_offset : index_offset + index_length])).tobytes()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (a mutated index: nothing to return)
         return None

@@ -38,7 +38,7 @@ def frame_positions(data: bytes) -> list:
     hlen = struct.unpack_from("<I", data, 12)[0]
     try:
         a = parse_header(data[32 : 32 + hlen]).alignment
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (a damaged header: the default alignment)
         a = 64
     pos, out = next_frame_offset(32 + hlen, a), []
     while pos + 64 <= len(data) and data[pos : pos + 4] == CHUNK_MARKER and len(out) < 1024:
