@@ -329,7 +329,8 @@ def main(argv=None) -> int:
 
     def vllm_connector():
         from kvwire.integrations.vllm_pipeline import LayerPipeline
-        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, gather_layer, scatter_layer, slots
+        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, slots
+        from kvwire.layouts import gather_slots, scatter_slots
         from kvwire.store import KVStore, MemoryStore
 
         arch = kvwire.Architecture.uniform(args.layers, args.heads, args.head_dim)
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
             src = [view() for _ in range(args.layers)]
             ids = slots(blocks_a, bs, 0, T)
             kv = KVStore(MemoryStore())
-            layers = [gather_layer(x, ids, args.head_dim, False) for x in src]
+            layers = [gather_slots(x, ids, args.head_dim) for x in src]
             kv.put_cache(chunk_cache(key, layers, 0, T), prompt)
             dst = [torch.zeros_like(x) for x in src]
             out = slots(blocks_b, bs, 0, T - 1)
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
                 pipe = LayerPipeline(kv, key.space, [("r", prompt, T // C)], args.layers, depth=2)
                 for i in range(args.layers):
                     arrays = pipe.wait(i)[0]
-                    scatter_layer(dst[i], out, {c: x[:, :T - 1] for c, x in arrays.items()}, args.head_dim, False)
+                    scatter_slots(dst[i], out, {c: x[:, :T - 1] for c, x in arrays.items()}, args.head_dim)
                     pipe.done(i)
                 env.sync()
                 return pipe.close()
@@ -369,8 +370,8 @@ def main(argv=None) -> int:
             served = run()
             ok = served == [T]
             for i in range(args.layers):
-                want = gather_layer(src[i], ids[:T - 1], args.head_dim, False)
-                got = gather_layer(dst[i], out, args.head_dim, False)
+                want = gather_slots(src[i], ids[:T - 1], args.head_dim)
+                got = gather_slots(dst[i], out, args.head_dim)
                 ok = ok and all(same_bits(got[c], want[c]) for c in "kv")
             check(f"vllm connector {physical} bf16", ok)
 

@@ -1,10 +1,11 @@
 """vLLM's CPU attention with its "amx" kernels (bfloat16 on CPUs with AMX tiles): where K and
-V lie in the paged view, and the connector's "cpu_amx" packing (spec/layouts.md KVW-BIND-5).
+V lie in the paged view, and kvwire.layouts' copies of them (packing "tokens", ISA "amx";
+spec/layouts.md KVW-BIND-5), which the vLLM connector uses.
 
 The layout was measured, never assumed: ``test_kvw_bind_5_amx_packing_is_what_vllms_amx_kernels_write``
 writes random K and V into a sentinel-filled view with vLLM's own ``cpu_attn_reshape_and_cache``
-(isa "amx", in the vLLM venv) and checks that ``gather_layer(..., "cpu_amx")`` gives exactly
-those K and V and that ``scatter_layer`` reproduces the op's buffer byte for byte. The
+(isa "amx", in the vLLM venv) and checks that ``gather_slots(..., "tokens", "amx")`` gives
+exactly those K and V and that ``scatter_slots`` reproduces the op's buffer byte for byte. The
 property test checks the same packing against the element formula of KVW-BIND-5 for any
 geometry, without vLLM. tests/integrations/test_vllm_e2e.py runs real engines (amx where vLLM picks it).
 """
@@ -21,8 +22,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
-from kvwire.integrations.vllm_engine import CPU_ISA_HEADER_LAYOUT, CPU_ISA_PACKING  # noqa: E402
-from kvwire.integrations.vllm_plan import cpu_amx_views, gather_layer, scatter_layer, slots  # noqa: E402
+from kvwire.integrations.vllm_plan import slots  # noqa: E402
+from kvwire.layouts import (  # noqa: E402
+    CPU_HEADER_LAYOUTS, check_slot_packing, cpu_amx_views, cpu_header_layout, gather_slots, scatter_slots,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -35,7 +38,8 @@ KERNEL = r"""
 import json, sys, numpy as np, torch
 import vllm._custom_ops  # noqa: F401 (registers torch.ops._C)
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from kvwire.integrations.vllm_plan import gather_layer, scatter_layer, slots
+from kvwire.integrations.vllm_plan import slots
+from kvwire.layouts import gather_slots, scatter_slots
 
 out = {"isa_bf16": _get_attn_isa(torch.bfloat16, 32, 64, "auto"),
        "isa_f16": _get_attn_isa(torch.float16, 32, 64, "auto"), "cases": []}
@@ -68,11 +72,11 @@ for n, d, h, cdt in json.loads(sys.argv[1]):
         out["cases"].append({"case": [n, d, h, cdt], "refused": str(e)[:300]})
         continue
     b = lambda x: x.contiguous().view(torch.uint8)
-    got = gather_layer(buf, ids, d, False, "cpu_amx")
+    got = gather_slots(buf, ids, d, "tokens", "amx")
     mine = before.clone()
-    scatter_layer(mine, ids, {"k": want_k.permute(1, 0, 2).contiguous(), "v": want_v.permute(1, 0, 2).contiguous()},
-                  d, False, "cpu_amx")
-    vec = gather_layer(buf, ids, d, False, "cpu_vec")
+    scatter_slots(mine, ids, {"k": want_k.permute(1, 0, 2).contiguous(), "v": want_v.permute(1, 0, 2).contiguous()},
+                  d, "tokens", "amx")
+    vec = gather_slots(buf, ids, d, "tokens", "vec")
     out["cases"].append({
         "case": [n, d, h, cdt], "touched": int((b(buf) != b(before)).sum()),
         "gather_k": torch.equal(b(got["k"]), b(want_k.permute(1, 0, 2))),
@@ -138,7 +142,7 @@ def test_kvw_bind_5_cpu_amx_addresses_the_spec_formula(geo):
     k, v = rand((h, t, d)), rand((h, t, d))
     buf = torch.zeros((nb, h, n, 2 * d), dtype=bits)
     sl = slots(ids, n, 0, t)
-    scatter_layer(buf.view(dtype), sl, {"k": k.view(dtype), "v": v.view(dtype)}, d, False, "cpu_amx")
+    scatter_slots(buf.view(dtype), sl, {"k": k.view(dtype), "v": v.view(dtype)}, d, "tokens", "amx")
     halves = buf.view(nb, h, 2, n * d)
     tt = np.arange(t)
     blk, off = np.asarray(ids)[tt // n], tt % n
@@ -150,19 +154,21 @@ def test_kvw_bind_5_cpu_amx_addresses_the_spec_formula(geo):
         assert torch.equal(halves[bt, head, 0, torch.from_numpy(kpos)], k[head])
         assert torch.equal(halves[bt, head, 1, torch.from_numpy(vpos)], v[head])
     assert int((buf != 0).sum()) == int((k != 0).sum() + (v != 0).sum())  # nothing else written
-    got = gather_layer(buf.view(dtype), sl, d, False, "cpu_amx")
+    got = gather_slots(buf.view(dtype), sl, d, "tokens", "amx")
     assert torch.equal(got["k"].view(bits), k) and torch.equal(got["v"].view(bits), v)
 
 
 def test_kvw_bind_5_amx_views_refuse_other_geometries_and_the_connector_maps_amx():
     """Block sizes or head sizes that are not multiples of 16 are refused (a ValueError naming
-    the rule's sizes), never read as tiles; vLLM's "amx" ISA maps to the "cpu_amx" packing and
-    to the header layout name of KVW-BIND-5."""
+    the rule's sizes), never read as tiles; vLLM's "amx" ISA is copied as such (the vector ISAs
+    as "vec") and has the header layout name of KVW-BIND-5."""
     for shape in ((2, 1, 24, 64), (2, 1, 32, 40)):
         with pytest.raises(ValueError, match="multiples of 16"):
             cpu_amx_views(torch.zeros(shape, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="multiples of 16"):
-            gather_layer(torch.zeros(shape, dtype=torch.bfloat16), np.arange(3), shape[3] // 2, False, "cpu_amx")
-    assert CPU_ISA_PACKING["amx"] == "cpu_amx" and CPU_ISA_PACKING["vec"] == "cpu_vec"
-    assert CPU_ISA_HEADER_LAYOUT == {"amx": "vllm.v0_32.cpu.amx"}
+            gather_slots(torch.zeros(shape, dtype=torch.bfloat16), np.arange(3), shape[3] // 2, "tokens", "amx")
+    assert check_slot_packing("tokens", "amx") == "amx"
+    assert check_slot_packing("tokens", "vec") == check_slot_packing("tokens", "vec16", "bfloat16") == "vec"
+    assert CPU_HEADER_LAYOUTS == {"amx": "vllm.v0_32.cpu.amx"} == {"amx": cpu_header_layout("amx", "bfloat16")}
+    assert cpu_header_layout("vec", "bfloat16") == "vllm.v0_29.cpu.vec"
     assert "`vllm.v0_32.cpu.amx`" in (REPO / "spec" / "layouts.md").read_text()

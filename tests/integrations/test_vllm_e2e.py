@@ -152,7 +152,6 @@ def engine_layout_name() -> str:
     CPU backend picks its kernels by CPU (``_get_attn_isa``: "amx" with AMX tiles, whose tiles
     the header names ``vllm.v0_32.cpu.amx``, spec/layouts.md KVW-BIND-5; "vec" otherwise)."""
     from kvwire import layouts
-    from kvwire.integrations.vllm_engine import CPU_ISA_HEADER_LAYOUT
 
     head_dim = json.loads((MODEL / "config.json").read_text())["head_dim"]
     code = ("import torch; from vllm.v1.attention.backends.cpu_attn import _get_attn_isa; "
@@ -161,7 +160,7 @@ def engine_layout_name() -> str:
                        env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))
     assert p.returncode == 0, p.stderr[-3000:]
     isa = p.stdout.split()[-1]
-    return CPU_ISA_HEADER_LAYOUT.get(isa) or layouts.CPU_ISAS[isa][0]
+    return layouts.cpu_header_layout(isa, "bfloat16")
 
 
 def key_space():

@@ -17,9 +17,8 @@ import torch
 import kvwire
 from kvwire.cache.tensors import as_numpy
 from kvwire.integrations.vllm_pipeline import LayerPipeline
-from kvwire.integrations.vllm_plan import (
-    ModelKey, RequestState, chunk_cache, chunks_to_save, gather_layer, scatter_layer, slots, tail_to_save,
-)
+from kvwire.integrations.vllm_plan import ModelKey, RequestState, chunk_cache, chunks_to_save, slots, tail_to_save
+from kvwire.layouts import gather_slots, scatter_slots
 from kvwire.store import KVStore, MemoryStore
 
 from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, random_bits  # noqa: F401 (fixtures)
@@ -59,8 +58,8 @@ def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None):
         for (rid, toks, start, stop, blocks), arrays in zip(requests, got):
             n = 0 if arrays is None else min(arrays["k"].shape[1], stop)
             if n > start:
-                scatter_layer(bufs[i], slots(blocks, BS, start, n), {c: x[:, start:n] for c, x in arrays.items()},
-                              spec.head_dim_k, False)
+                scatter_slots(bufs[i], slots(blocks, BS, start, n), {c: x[:, start:n] for c, x in arrays.items()},
+                              spec.head_dim_k)
         pipe.done(i)
     return pipe, pipe.close()
 
@@ -83,7 +82,7 @@ def test_pipeline_scatters_every_layer_of_two_requests_bit_exactly(fidelity_key)
     assert served == [4 * C, 2 * C] and pipe.error is None
     for i, spec in enumerate(key.arch.layers):
         for (_, _, start, stop, blocks), src in ((reqs[0], ka[i]), (reqs[1], kb[i])):
-            got = gather_layer(bufs[i], slots(blocks, BS, start, stop), spec.head_dim_k, False)
+            got = gather_slots(bufs[i], slots(blocks, BS, start, stop), spec.head_dim_k)
             assert np.array_equal(bits(got["k"]), bits(src["k"][:, start:stop]))
             assert np.array_equal(bits(got["v"]), bits(src["v"][:, start:stop]))
         used = {b for _, _, _, _, bl in reqs for b in bl}
@@ -127,9 +126,9 @@ def test_corrupt_chunk_found_at_layer_2_cuts_what_every_layer_holds(fidelity_key
     blocks = list(range(8))
     _, served = run_pipeline(key, kv, [("a", prompt, 0, 4 * C - 1, blocks)], bufs)
     assert served == [2 * C] and kv.counts["checksum_failures"] == 1 and not store.exists(k2)
-    got = gather_layer(bufs[0], slots(blocks, BS, 0, 4 * C - 1), 64, False)
+    got = gather_slots(bufs[0], slots(blocks, BS, 0, 4 * C - 1), 64)
     assert np.array_equal(bits(got["k"]), bits(src[0]["k"][:, :4 * C - 1]))  # layer 0 was whole
-    got = gather_layer(bufs[3], slots(blocks, BS, 0, 2 * C), 64, False)
+    got = gather_slots(bufs[3], slots(blocks, BS, 0, 2 * C), 64)
     assert np.array_equal(bits(got["v"]), bits(src[3]["v"][:, :2 * C]))
 
 
@@ -212,7 +211,7 @@ def test_partial_tail_round_trip_serves_all_but_the_last_block(fidelity_key):
     bufs = consumer_buffers(key, 8, 11)
     _, served = run_pipeline(key, kv, [("a", prompt, 0, stop, list(range(7)))], bufs)
     assert served == [3 * C + 20]
-    got = gather_layer(bufs[1], slots(list(range(7)), BS, 0, stop), 64, False)
+    got = gather_slots(bufs[1], slots(list(range(7)), BS, 0, stop), 64)
     assert np.array_equal(bits(got["k"]), bits(src[1]["k"][:, :stop]))
 
 
@@ -223,7 +222,7 @@ def test_cpu_vec_packing_is_what_the_cpu_kernels_write(seed):
     """vLLM's CPU backend (vec/vec16 kernels) keeps, per block and head of the [blocks, heads,
     block_size, 2*D] view, K transposed ([D, block_size]) and then V ([block_size, D]), as
     measured through its cpu_attn_reshape_and_cache op (the e2e test checks the stored K/V
-    against transformers): scatter with packing "cpu_vec" puts token t's K and V exactly
+    against transformers): scatter with packing "tokens" and ISA "vec" puts token t's K and V exactly
     there, gather reads them back, and the "channels" reading of the bytes differs."""
     gen = torch.Generator().manual_seed(seed)
     nb, H, N, D = 6, 2, 16, 8
@@ -233,19 +232,19 @@ def test_cpu_vec_packing_is_what_the_cpu_kernels_write(seed):
     k = random_bits((H, T, D), torch.bfloat16, gen)
     v = random_bits((H, T, D), torch.bfloat16, gen)
     ids = slots(blocks, N, 0, T)
-    scatter_layer(buf, ids, {"k": k, "v": v}, D, False, "cpu_vec")
+    scatter_slots(buf, ids, {"k": k, "v": v}, D, "tokens", "vec")
     mem = buf.view(nb, H, 2, N * D)
     for t in range(T):
         b, o = blocks[t // N], t % N
         assert torch.equal(mem[b, :, 0].view(H, D, N)[:, :, o].view(torch.int16), k[:, t].view(torch.int16))
         assert torch.equal(mem[b, :, 1].view(H, N, D)[:, o].view(torch.int16), v[:, t].view(torch.int16))
-    got = gather_layer(buf, ids, D, False, "cpu_vec")
+    got = gather_slots(buf, ids, D, "tokens", "vec")
     assert torch.equal(got["k"].view(torch.int16), k.view(torch.int16))
     assert torch.equal(got["v"].view(torch.int16), v.view(torch.int16))
-    other = gather_layer(buf, ids, D, False, "channels")
+    other = gather_slots(buf, ids, D, "channels")
     assert not torch.equal(other["k"].view(torch.int16), k.view(torch.int16))
     with pytest.raises(ValueError, match="packing"):
-        gather_layer(buf, ids, D, False, "rows")
+        gather_slots(buf, ids, D, "rows")
 
 
 # -- fp8 KV caches: uint8 buffers and per-layer scales, as vLLM hands them over ----------------
@@ -290,7 +289,7 @@ def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
     ids = slots(blocks, BS, 0, T)
     prompt = torch.randint(0, 256, (T,), generator=gen).tolist()
     kv = KVStore(MemoryStore())
-    layers = [gather_layer(x, ids, s.head_dim_k, False) for x, s in zip(src, arch.layers)]
+    layers = [gather_slots(x, ids, s.head_dim_k) for x, s in zip(src, arch.layers)]
     cache = chunk_cache(key, layers, 0, T, kv_scales=scales)
     assert cache.header.dtype == fmt and [(x.k_scale, x.v_scale) for x in cache.header.kv_scales] == list(scales)
     kv.put_cache(cache, prompt)
@@ -310,7 +309,7 @@ def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
             arrays = pipe.wait(i)[0]
             if arrays is not None and arrays["k"].shape[1]:
                 n = arrays["k"].shape[1]
-                scatter_layer(dst[i], slots(blocks, BS, 0, n), arrays, s.head_dim_k, False)
+                scatter_slots(dst[i], slots(blocks, BS, 0, n), arrays, s.head_dim_k)
             pipe.done(i)
         return dst, pipe.close(), pipe
 
@@ -321,7 +320,7 @@ def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
     dst, served, pipe = load(other)
     assert served == [T] and pipe.rescaled == 1
     for i, s in enumerate(arch.layers):
-        got = gather_layer(dst[i], ids, s.head_dim_k, False)
+        got = gather_slots(dst[i], ids, s.head_dim_k)
         want_k = rescale_fp8(layers[i]["k"], scales[i][0], other[i][0], fmt)
         assert np.array_equal(as_numpy(got["k"]).view(np.uint8), want_k.view(np.uint8))
         assert torch.equal(got["v"], layers[i]["v"])  # V scales unchanged: V elements as stored

@@ -25,9 +25,10 @@ from kvwire.cache.kvcache import KVCache
 from kvwire.cache.tensors import as_numpy
 from kvwire.format.header import Architecture, Header, LayerSpec
 from kvwire.integrations.vllm_plan import (
-    ModelKey, RequestState, chunk_cache, chunks_to_save, dtype_of, files_digest, gather_layer, layer_index,
-    matched_tokens, model_weights_fingerprint, scatter_layer, slots,
+    ModelKey, RequestState, chunk_cache, chunks_to_save, dtype_of, files_digest, layer_index, matched_tokens,
+    model_weights_fingerprint, slots,
 )
+from kvwire.layouts import gather_slots, scatter_slots
 from kvwire.model.identity import config_fingerprint
 from kvwire.store import KVStore, MemoryStore
 
@@ -193,7 +194,7 @@ def test_slots_refuse_a_range_beyond_the_requests_blocks():
         slots([], 16, 0, 1)
 
 
-# -- gather_layer / scatter_layer -----------------------------------------------------------
+# -- kvwire.layouts.gather_slots / scatter_slots, as the connector calls them ---------------
 
 @pytest.mark.parametrize("form", ["torch", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
@@ -214,9 +215,9 @@ def test_scatter_then_gather_is_bit_exact(form, dtype, data):
     k = random_bits((heads, len(slot_ids), head_dim), dtype, gen)
     v = random_bits((heads, len(slot_ids), head_dim), dtype, gen)
     want = hand_scatter(buf, slot_ids, {"k": k, "v": v})
-    scatter_layer(buf, slot_ids, {"k": as_form(k, form), "v": as_form(v, form)}, head_dim, False)
+    scatter_slots(buf, slot_ids, {"k": as_form(k, form), "v": as_form(v, form)}, head_dim)
     assert torch.equal(bits(buf), bits(want))
-    got = gather_layer(buf, slot_ids, head_dim, False)
+    got = gather_slots(buf, slot_ids, head_dim)
     assert set(got) == {"k", "v"}
     for comp, x in (("k", k), ("v", v)):
         assert got[comp].dtype == dtype and got[comp].is_contiguous()
@@ -229,7 +230,7 @@ def test_k_and_v_halves_by_hand():
     buf = torch.zeros(2, 1, 2, 4, dtype=torch.float16)
     k = torch.tensor([[[1, 2], [3, 4]]], dtype=torch.float16)
     v = torch.tensor([[[5, 6], [7, 8]]], dtype=torch.float16)
-    scatter_layer(buf, np.array([3, 0]), {"k": k.numpy(), "v": v}, 2, False)
+    scatter_slots(buf, np.array([3, 0]), {"k": k.numpy(), "v": v}, 2)
     want = torch.zeros(2, 1, 2, 4, dtype=torch.float16)
     want[1, 0, 1] = torch.tensor([1, 2, 5, 6])
     want[0, 0, 0] = torch.tensor([3, 4, 7, 8])
@@ -244,9 +245,9 @@ def test_mla_view_scatter_gather(form):
     slot_ids = np.asarray(slots([8, 2, 5], 16, 3, 41))
     lat = random_bits((1, len(slot_ids), LATENT), torch.bfloat16, gen)
     want = hand_scatter(buf, slot_ids, {"latent": lat})
-    scatter_layer(buf, slot_ids, {"latent": as_form(lat, form)}, LATENT, True)
+    scatter_slots(buf, slot_ids, {"latent": as_form(lat, form)}, LATENT, "latent")
     assert torch.equal(bits(buf), bits(want))
-    got = gather_layer(buf, slot_ids, LATENT, True)
+    got = gather_slots(buf, slot_ids, LATENT, "latent")
     assert list(got) == ["latent"] and torch.equal(bits(got["latent"]), bits(lat))
 
 
@@ -259,8 +260,8 @@ def test_gather_returns_copies_and_scatter_takes_non_contiguous_arrays():
     full = random_bits((2, 20, 8), torch.bfloat16, gen)
     k, v = full[:, 3:13], full[:, 5:15]
     assert not k.is_contiguous()
-    scatter_layer(buf, slot_ids, {"k": k, "v": as_numpy(v)}, 8, False)
-    got = gather_layer(buf, slot_ids, 8, False)
+    scatter_slots(buf, slot_ids, {"k": k, "v": as_numpy(v)}, 8)
+    got = gather_slots(buf, slot_ids, 8)
     buf.zero_()
     assert torch.equal(bits(got["k"]), bits(k)) and torch.equal(bits(got["v"]), bits(v))
 
@@ -304,7 +305,7 @@ def test_chunk_cache_of_a_step_stores_the_objects_of_a_whole_cache_put(fidelity_
     bufs = [paged_buffer(2 * n_blocks, sp.num_kv_heads, block_size, 2 * sp.head_dim_k, torch.bfloat16, gen)
             for sp in specs]
     for buf, k, v, sp in zip(bufs, ks, vs, specs):  # the prefill wrote the prompt's K/V
-        scatter_layer(buf, slots(block_ids, block_size, 0, prompt_len), {"k": k, "v": v}, sp.head_dim_k, False)
+        scatter_slots(buf, slots(block_ids, block_size, 0, prompt_len), {"k": k, "v": v}, sp.head_dim_k)
 
     whole = KVStore(MemoryStore())
     T = s * C
@@ -315,7 +316,7 @@ def test_chunk_cache_of_a_step_stores_the_objects_of_a_whole_cache_put(fidelity_
 
     def step(store, a, b):
         ids = slots(block_ids, block_size, a * C, b * C)
-        layers = [gather_layer(buf, ids, sp.head_dim_k, False) for buf, sp in zip(bufs, specs)]
+        layers = [gather_slots(buf, ids, sp.head_dim_k) for buf, sp in zip(bufs, specs)]
         return store.put_cache(chunk_cache(key, layers, a * C, (b - a) * C), prompt[:b * C])
 
     stepped = KVStore(MemoryStore())
@@ -344,7 +345,7 @@ def test_mla_chunk_cache_round_trips_through_the_store(tmp_path):
     bufs = [paged_buffer(8, 1, 16, LATENT, torch.bfloat16, gen) for _ in arch.layers]
     prompt = list(range(40))
     ids = slots([6, 1, 3], 16, 0, 32)
-    layers = [gather_layer(b, ids, LATENT, True) for b in bufs]
+    layers = [gather_slots(b, ids, LATENT, "latent") for b in bufs]
     kv = KVStore(MemoryStore())
     assert kv.put_cache(chunk_cache(key, layers, 0, 32), prompt[:32]).written == 2
     got = kv.get_cache(prompt, key.space)
@@ -352,10 +353,10 @@ def test_mla_chunk_cache_round_trips_through_the_store(tmp_path):
     dst = [paged_buffer(8, 1, 16, LATENT, torch.bfloat16, gen) for _ in arch.layers]
     to = slots([0, 7], 16, 0, 32)
     for d, layer in zip(dst, got.cache.layers):
-        scatter_layer(d, to, layer, LATENT, True)
+        scatter_slots(d, to, layer, LATENT, "latent")
     for src, d in zip(bufs, dst):
-        assert torch.equal(bits(gather_layer(d, to, LATENT, True)["latent"]),
-                           bits(gather_layer(src, ids, LATENT, True)["latent"]))
+        assert torch.equal(bits(gather_slots(d, to, LATENT, "latent")["latent"]),
+                           bits(gather_slots(src, ids, LATENT, "latent")["latent"]))
 
 
 # -- ModelKey -------------------------------------------------------------------------------

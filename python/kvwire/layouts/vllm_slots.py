@@ -168,8 +168,8 @@ def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", c
         blocks, offs = idx // n, idx % n
     for comp, (view, g, c) in views.items():
         if index:
-            x = view[blocks, :, offs] if g == 1 else view[blocks, :, offs // g, offs % g]  # one gather kernel
-            out[comp] = x.reshape(t, x.shape[1], -1).permute(1, 0, 2).contiguous().view(kv_layer.dtype)
+            x = view[blocks, :, offs] if g == 1 else view[blocks, :, offs // g, offs % g].flatten(2)  # one kernel
+            out[comp] = x.permute(1, 0, 2).contiguous().view(kv_layer.dtype)
             continue
         dst = torch.empty((view.shape[1], t, view.shape[-2] * c if g > 1 else view.shape[3]), dtype=view.dtype,
                           device=view.device)
@@ -209,7 +209,7 @@ def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str 
             if g == 1:
                 view[blocks, :, offs] = vals
             else:
-                view[blocks, :, offs // g, offs % g] = vals.reshape(*vals.shape[:2], -1, c)
+                view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
             continue
         for part, vals in _copies(view, g, c, src, ids, n):
             part.copy_(vals)
