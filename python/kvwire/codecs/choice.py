@@ -5,19 +5,24 @@ before the header is built, so the header lists every codec spec before the firs
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zstandard
 
-from . import byteplane, native, quant
 from ..format import errors as E
 from ..format import registry as R
 from ..format.chunks import chunk_plan
 from ..format.codec_specs import LOSSY_COMPONENTS, CodecSpec, features_of
 from ..format.kv_scales import required_minor
+from . import byteplane, native, quant
 from .pipeline import lossy_range
 from .presets import resolve
 from .zstd import DEFAULT_ZSTD_LEVEL
+
+Chosen = str | int  # "raw", "zstd" or a codec_spec index >= 1
+Encoded = tuple[str, int, list[Any]]  # (codec name, codec_spec, stored pieces)
 
 
 class CodecPlan:
@@ -29,12 +34,12 @@ class CodecPlan:
     so the header can list every spec before the first chunk is written.
     """
 
-    def __init__(self, header, codec, level: int = DEFAULT_ZSTD_LEVEL):
+    def __init__(self, header: Any, codec: Any, level: int = DEFAULT_ZSTD_LEVEL) -> None:
         specs = list(header.codec_specs)
         sparse = header.sparse is not None
 
-        def index(choice, comp, strict=True):  # "raw", "zstd" or a codec_spec >= 1, new specs in first-use order
-            c = resolve(choice, comp)
+        def index(choice: Any, comp: str, strict: bool = True) -> Chosen:  # "raw", "zstd" or a codec_spec >= 1, new specs in first-use order
+            c: str | int | CodecSpec = resolve(choice, comp)
             if comp == "positions" and isinstance(c, CodecSpec):  # KVW-SPARSE-9: raw or zstd only
                 if strict:
                     raise ValueError(f"codec {c.codec} chosen for POSITIONS chunks: they are raw or zstd "
@@ -50,12 +55,13 @@ class CodecPlan:
                 c = specs.index(c) + 1
             return c
 
-        self._choice: dict | None = None
+        self._choice: dict[tuple[int, str, int, int], Chosen] | None = None
+        pick: Any  # a callable (layer, component, token_start[, head]) -> choice, or None
         if callable(codec) and not isinstance(codec, (str, CodecSpec, dict)):
             pick = codec
         elif isinstance(codec, dict) and not set(codec) <= set(R.COMPONENTS):
             check_codec_map(header, codec)
-            pick = lambda layer, comp, t0: codec.get((layer, comp), codec.get(comp, codec.get(None, "raw")))  # noqa: E731
+            pick = lambda layer, comp, t0: codec.get((layer, comp), codec.get(comp, codec.get(None, "raw")))
         else:  # the same for every chunk of a component: no per-chunk table
             pick = None
             used = dict.fromkeys(comp for s_ in header.arch.layers for comp in s_.components)
@@ -76,14 +82,14 @@ class CodecPlan:
                 header.format_minor, required_minor(rf)))  # KVW-EVOL-12
         self.header = header
         self._zstd = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)  # KVW-CODEC-4
-        self._planes = byteplane.plane_compressor(level) if any(
+        self._planes: Any = byteplane.plane_compressor(level) if any(  # None: never asked for
             s.codec == "byteplane_zstd" or s.lossless == "byteplane_zstd" for s in specs) else None
 
-    def encode(self, layer: int, component: str, token_start: int, x: np.ndarray, pieces: list, raw_length: int,
-               head: int = 0):
+    def encode(self, layer: int, component: str, token_start: int, x: np.ndarray, pieces: list[Any], raw_length: int,
+               head: int = 0) -> Encoded:
         """(codec name, codec_spec, stored pieces) of one chunk; ``pieces`` are its raw bytes,
         ``x`` its [heads, tokens, dim] array (``head``: a sparse chunk's one head)."""
-        c = self.chosen(layer, component, token_start, head)
+        c: Any = self.chosen(layer, component, token_start, head)  # past "raw" and "zstd": a spec index
         if c == "raw":
             return "raw", 0, pieces
         if c == "zstd":
@@ -105,13 +111,13 @@ class CodecPlan:
             return self._lossless(pieces, raw_length)
         return self._staged(spec, c, body)
 
-    def chosen(self, layer: int, component: str, token_start: int, head: int = 0):
+    def chosen(self, layer: int, component: str, token_start: int, head: int = 0) -> Chosen:
         """The choice for one planned chunk: "raw", "zstd" or a codec_spec index >= 1."""
         if self._choice is None:
             return self._by_comp.get(component, "raw")
         return self._choice.get((layer, component, token_start, head), "raw")
 
-    def carried(self, layer: int, component: str, token_start: int, shape: tuple, body):
+    def carried(self, layer: int, component: str, token_start: int, shape: tuple[int, ...], body: Any) -> Encoded:
         """(codec name, codec_spec, stored pieces) of one dense chunk whose lossy body the
         caller already holds in the spec chosen for it: an engine's quantized cache carried
         as it is (``integrations.vllm_quantized``). The body is read as a reader reads it
@@ -137,7 +143,7 @@ class CodecPlan:
             raise ValueError(f"layer {layer} {component} token {token_start}: the body decodes to NaN or infinity")
         return self._staged(spec, c, [view])
 
-    def _staged(self, spec, c: int, body: list):
+    def _staged(self, spec: CodecSpec, c: int, body: list[Any]) -> Encoded:
         """The lossy body with the spec's lossless stage, kept only when shorter (KVW-CSPEC-7)."""
         if spec.lossless != "raw":  # chained stage, kept only when it is shorter (KVW-CSPEC-7)
             h = self.header
@@ -150,8 +156,8 @@ class CodecPlan:
                 body = staged
         return spec.codec, c, body
 
-    def _native_lossy(self, spec, index: int, layer: int, token_start: int, x, pieces: list, raw_length: int,
-                      head: int):
+    def _native_lossy(self, spec: CodecSpec, index: int, layer: int, token_start: int, x: np.ndarray, pieces: list[Any],
+                      raw_length: int, head: int) -> list[Any] | None:
         """[the lossy body] from libkvwire when native codecs are on (``codecs.native``: the
         same bytes as ``quant.encode``, 2-3x faster), else None."""
         if not native.available():
@@ -161,7 +167,7 @@ class CodecPlan:
         body = native.encode_lossy(self.header, rec, raw)
         return None if body is None else [body]
 
-    def _lossless(self, pieces: list, raw_length: int):
+    def _lossless(self, pieces: list[Any], raw_length: int) -> Encoded:
         """zstd when its frame is shorter, else raw (KVW-CHUNK-6)."""
         frame = self._zstd.compress(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         return ("zstd", 0, [frame]) if len(frame) < raw_length else ("raw", 0, pieces)
@@ -172,7 +178,7 @@ class CodecGrowthWarning(UserWarning):
     whose last 128 tokens stay in full precision): write it raw, or pick a codec of docs/codecs.md."""
 
 
-def check_codec_map(header, codec: dict) -> None:
+def check_codec_map(header: Any, codec: dict[Any, Any]) -> None:
     """ValueError for a key of a ``{(layer, component): codec}`` map that matches no chunk of
     ``header`` (a mistyped key would otherwise leave those chunks raw, silently)."""
     comps = dict.fromkeys(c for s in header.arch.layers for c in s.components)
@@ -189,7 +195,7 @@ def check_codec_map(header, codec: dict) -> None:
             f"[0, {header.num_layers}) and one of that layer's components, e.g. (0, {next(iter(comps), 'k')!r})")
 
 
-def _takes_head(pick) -> bool:
+def _takes_head(pick: Callable[..., Any]) -> bool:
     try:
         return "head" in inspect.signature(pick).parameters
     except (TypeError, ValueError):  # builtins without a signature

@@ -13,28 +13,30 @@ bytes; how a writer picks scales is its own business (amax / fmax, min-max).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..format import registry as R
+from ..format.codec_specs import CodecSpec
 from ..format.errors import CodecError
 from . import kernels as K
 from . import rotation as RT
 from . import scales as SC
 from . import turboquant as TQ
-from .scales import NotFaithful  # noqa: F401  (re-exported: the writer's refusal)
+from .scales import NotFaithful as NotFaithful  # re-exported: the writer's refusal
 
 F32 = np.dtype("<f4")
 FP8_MAX = {"f8_e4m3fn": 448.0, "f8_e5m2": 57344.0, "f8_e4m3fnuz": 240.0}  # format -> largest finite value
 
 
-class FP8Formats(Mapping[str, tuple[np.dtype, float]]):
+class FP8Formats(Mapping[str, tuple[np.dtype[Any], float]]):
     """``FP8[format] -> (numpy dtype, largest finite value)``; the dtypes come from ml_dtypes, imported on
     first use (R.DTYPES)."""
 
-    def __getitem__(self, fmt: str) -> tuple[np.dtype, float]:
+    def __getitem__(self, fmt: str) -> tuple[np.dtype[Any], float]:
         return R.DTYPES[fmt].numpy, FP8_MAX[fmt]
 
     def __iter__(self) -> Iterator[str]:
@@ -59,7 +61,7 @@ def fp8_table(fmt: str) -> tuple[np.ndarray, np.ndarray]:
     return v, nan
 
 
-def token_split(spec, t0: int, t1: int, lo: int, hi: int) -> tuple[int, int]:
+def token_split(spec: CodecSpec, t0: int, t1: int, lo: int, hi: int) -> tuple[int, int]:
     """(P, Q): full-precision tokens at the start and end of chunk [t0, t1) (KVW-LOSSY-1)."""
     sink_end = min(hi, lo + spec.sink_tokens)
     resid_start = max(lo, hi - spec.residual_tokens)
@@ -78,7 +80,7 @@ class Layout:
     itemsize: int
     P: int
     Q: int
-    groups: tuple  # shape of the scales (and zeros) array
+    groups: tuple[int, ...]  # shape of the scales (and zeros) array
     param_size: int  # bytes per scale / zero
     zeros: bool
     bits: int
@@ -104,10 +106,11 @@ class Layout:
         return self.fp_bytes + self.param_count * self.param_size * (2 if self.zeros else 1) + self.code_bytes
 
 
-def layout(spec, dtype: str, heads: int, dim: int, t0: int, t1: int, lo: int, hi: int) -> Layout:
+def layout(spec: CodecSpec, dtype: str, heads: int, dim: int, t0: int, t1: int, lo: int, hi: int) -> Layout:
     P, Q = token_split(spec, t0, t1, lo, hi)
     M = t1 - t0 - P - Q
     itemsize = R.DTYPES[dtype][1]
+    groups: tuple[int, ...]
     if spec.codec == "fp8":
         groups = {"tensor": (1,), "head": (heads,), "token": (heads, M)}[spec.scale_granularity]
         return Layout(heads, t1 - t0, dim, itemsize, P, Q, groups, 4, False, 8)
@@ -124,7 +127,7 @@ def layout(spec, dtype: str, heads: int, dim: int, t0: int, t1: int, lo: int, hi
 # Groups: a reduction and a broadcast over (full groups, partial tail group)
 # ---------------------------------------------------------------------------------------
 
-def _parts(n: int, G: int):
+def _parts(n: int, G: int) -> Iterator[tuple[int, int, int, int, int]]:
     """(start, stop, first group, group count, group size) of the full groups and the tail."""
     full = n // G
     if full:
@@ -133,11 +136,11 @@ def _parts(n: int, G: int):
         yield full * G, n, full, 1, n % G
 
 
-def _axis(spec) -> int:
+def _axis(spec: CodecSpec) -> int:
     return 1 if spec.group_axis == "tokens" else 2
 
 
-def group_reduce(y: np.ndarray, spec, fn) -> np.ndarray:
+def group_reduce(y: np.ndarray, spec: CodecSpec, fn: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
     """``fn(block, axis)`` over each group of ``y`` [H, M, D]; result shaped like the scales."""
     a, G = _axis(spec), spec.group_size
     out = []
@@ -145,10 +148,11 @@ def group_reduce(y: np.ndarray, spec, fn) -> np.ndarray:
         idx = (slice(None),) * a + (slice(s, e),)
         block = y[idx].reshape(y.shape[:a] + (ng, gs) + y.shape[a + 1:])
         out.append(fn(block, a + 1))
-    return np.concatenate(out, axis=a) if len(out) > 1 else out[0]
+    reduced: np.ndarray = np.concatenate(out, axis=a) if len(out) > 1 else out[0]
+    return reduced
 
 
-def group_apply(y: np.ndarray, params: list, spec, fn) -> None:
+def group_apply(y: np.ndarray, params: list[Any], spec: CodecSpec, fn: Callable[..., np.ndarray]) -> None:
     """In place: ``y_block = fn(y_block, *param_blocks)`` with each group's parameters broadcast."""
     a, G = _axis(spec), spec.group_size
     for s, e, g0, ng, gs in _parts(y.shape[a], G):
@@ -176,28 +180,29 @@ def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     v = K.unpack_f32(packed, bits, n)
     if v is None:
         raise CodecError("DECODE_FAILED", "padding bits after the last code are not zero", rule="KVW-INT-4")
-    return v.astype(np.uint8)
+    codes: np.ndarray = v.astype(np.uint8)
+    return codes
 
 
 # ---------------------------------------------------------------------------------------
 # Decoding (normative arithmetic)
 # ---------------------------------------------------------------------------------------
 
-def _to_dtype(v: np.ndarray, dtype: str, nan_mask=None) -> np.ndarray:
+def _to_dtype(v: np.ndarray, dtype: str, nan_mask: np.ndarray | None = None) -> np.ndarray:
     """fp32 -> header dtype, round half to even; NaN results canonical (KVW-LOSSY-4)."""
     out = np.empty(v.shape, R.DTYPES[dtype][2])
     K.to_header(np.array(v, F32), dtype, out.dtype, out, nan_mask, CANONICAL_NAN[dtype])
     return out
 
 
-_PARAM_RULES = {  # which parameter values a reader accepts
+_PARAM_RULES: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {  # which parameter values a reader accepts
     "positive": ("finite and > 0", lambda p: ~np.isfinite(p) | ~(p > 0)),
     "nonnegative": ("finite with the sign bit clear", lambda p: ~np.isfinite(p) | np.signbit(p)),
     "finite": ("finite", lambda p: ~np.isfinite(p)),
 }
 
 
-def _params(body: np.ndarray, at: int, lay: Layout, dtype: np.dtype, rule: str, check: str):
+def _params(body: np.ndarray, at: int, lay: Layout, dtype: np.dtype[Any], rule: str, check: str) -> tuple[np.ndarray, int]:
     n = lay.param_count
     raw = body[at : at + n * lay.param_size]
     p = (K.f16_to_f32(raw.view("<u2")) if dtype == np.float16 else raw.view(dtype.newbyteorder("<")).astype(F32))
@@ -210,7 +215,7 @@ def _params(body: np.ndarray, at: int, lay: Layout, dtype: np.dtype, rule: str, 
     return p, at + n * lay.param_size
 
 
-def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
+def decode(spec: CodecSpec, body: Any, lay: Layout, dtype: str, out: np.ndarray | Any = None) -> np.ndarray:
     """[H, T, D] in the header dtype from a lossy body of exactly ``lay.length`` bytes
     (written into the buffer ``out`` when given)."""
     b = np.frombuffer(body, np.uint8)
@@ -271,13 +276,13 @@ def decode(spec, body, lay: Layout, dtype: str, out=None) -> np.ndarray:
 # Encoding (the reference writer's choices; readers need only ``decode``)
 # ---------------------------------------------------------------------------------------
 
-def _fp8_scales(amax: np.ndarray, fmax: float, dt, dtype: str) -> np.ndarray:
+def _fp8_scales(amax: np.ndarray, fmax: float, dt: Any, dtype: str) -> np.ndarray:
     """fp32 scales ``amax / fmax`` (KVW-FP8-5); where a group is near the header's largest or
     smallest values, adjusted so that ``amax / scale <= fmax``, ``fmax * scale`` is finite in
     the header dtype and the largest element does not decode to 0 (KVW-LOSSY-5)."""
     f = np.float32(fmax)
     with np.errstate(all="ignore"):
-        s = (amax / f).astype(F32)
+        s: np.ndarray = (amax / f).astype(F32)
         if SC.safe(amax, max(2.0 ** -125 * fmax, 4 * SC.SMALLEST[dtype]), SC.LARGEST[dtype] / 4):
             return s  # every scale normal in fp32 and far from overflow: nothing to adjust
         live = amax > 0
@@ -293,7 +298,7 @@ def _fp8_scales(amax: np.ndarray, fmax: float, dt, dtype: str) -> np.ndarray:
     return s
 
 
-def _int_params(y: np.ndarray, spec, dtype: str):
+def _int_params(y: np.ndarray, spec: CodecSpec, dtype: str) -> tuple[np.ndarray, Any]:  # zeros: an array or None
     """(scales, zeros or None) in ``scale_dtype`` for [H, M, D] ``y`` (KVW-INT-6,
     KVW-LOSSY-5): min-max (amax) scales rounded up, so that every element fits the codes.
     Groups near the header's largest or smallest values are checked: the scale is one unit
@@ -333,7 +338,7 @@ def _int_params(y: np.ndarray, spec, dtype: str):
                 2.0 ** (1 - PREC))), f"have a minimum beyond {sd} or {dtype}")
         f64 = np.float64  # the quotient rounded up once, from its exact value (fp32 may underflow)
         s = SC.round_up((amax.astype(f64) if spec.symmetric else np.maximum(mx.astype(f64) - zf, 0)) / qmax, sd)
-        top = lambda sc: SC.to_header(qmax * sc.astype(F32) + zf, dtype)  # noqa: E731  decoded top code
+        top: Callable[[np.ndarray], np.ndarray] = lambda sc: SC.to_header(qmax * sc.astype(F32) + zf, dtype)
         over = ~np.isfinite(top(s)) & np.isfinite(s)
         if over.any():
             s = SC.step_down(s, over)
@@ -347,7 +352,7 @@ def _int_params(y: np.ndarray, spec, dtype: str):
     return s, z
 
 
-def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonfinite: bool = False) -> list:
+def encode(spec: CodecSpec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonfinite: bool = False) -> list[Any]:
     """Pieces of the lossy body of chunk ``x`` [H, T, D] (header dtype ``dtype``, by default
     the one of ``x``). Raises ``NotFaithful`` (a ``ValueError``) for a chunk that KVW-LOSSY-5
     forbids or, unless ``keep_nonfinite`` (fp8 only: KVW-FP8-5 saturation), whose quantized
@@ -378,7 +383,7 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
             np.clip(q, -fmax, fmax, out=q)  # saturate; NaN stays NaN
         codes = K.f32_to_fp8(q, spec.fp8_format, dt)  # round half to even
         return pieces + [scales.astype("<f4").view(np.uint8).reshape(-1), codes.reshape(-1)]
-    rows = None
+    rows: Any = None  # each row's largest magnitude, when a rotation needs it
     if spec.rotation != "none":  # the writer's rotation (section 8.4); KVW-ROT-7 checked below
         rows = K.amax_of(y.max(axis=2), y.min(axis=2))
     if spec.codebook == "turboquant":  # norms before the rotation, as vLLM (section 9)
@@ -399,7 +404,7 @@ def encode(spec, x: np.ndarray, lay: Layout, dtype: str | None = None, keep_nonf
     return body
 
 
-def _uniform(y: np.ndarray, spec, dtype: str, pieces: list) -> list:
+def _uniform(y: np.ndarray, spec: CodecSpec, dtype: str, pieces: list[Any]) -> list[Any]:
     """Uniform int_affine body of ``y`` (KVW-INT-6), rotated or not."""
     b = spec.bits
     try:
