@@ -1,6 +1,6 @@
 """Which size hints a binding needs: layouts that one tensor fits with different meanings.
 
-A connector accepts a tensor in two forms (spec/layouts.md 2.1): the engine's view (shape
+Binding accepts a tensor in two forms (spec/layouts.md 2.1): the engine's view (shape
 in dims order, memory in stride order) or the raw allocation (shape in memory order,
 contiguous). Two registered layouts *confuse* each other in a form when a tensor of the
 same number of dimensions and the same memory order fits both, and some dimension means

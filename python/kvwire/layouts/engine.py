@@ -1,4 +1,4 @@
-"""Encoding straight from engine buffers, and the module-level connector functions.
+"""Encoding straight from engine buffers, and the module-level gather and scatter functions.
 
 ``encode_from_engine`` / ``iter_buffers_from_engine`` / ``save_from_engine`` feed
 ``kvwire.Encoder`` chunk by chunk from ``EngineBuffers.gather_range``: no whole-cache
