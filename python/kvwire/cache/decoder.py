@@ -34,6 +34,7 @@ Both are imported here (``IOV_MAX`` too), so this module stays the one to import
 from __future__ import annotations
 
 from collections import deque
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -76,7 +77,8 @@ class StreamDecoder(PlacementMixin):
     """
 
     def __init__(self, *, verify: bool = True, backend: str = "numpy",
-                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, placement=None, stop_at_end: bool = False):
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 placement: Callable[[int, str, int, int], Any] | None = None, stop_at_end: bool = False):
         self.verify, self.backend, self.max_decoded_bytes = verify, backend, max_decoded_bytes
         self.placement, self.stop_at_end = placement, stop_at_end
         self._mode = None  # "feed" or "into", fixed by the first input call
@@ -104,7 +106,7 @@ class StreamDecoder(PlacementMixin):
 
     # -- input -------------------------------------------------------------------------
 
-    def feed(self, data) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._set_mode("feed")
         self._append(data)
 
@@ -149,7 +151,7 @@ class StreamDecoder(PlacementMixin):
 
     # -- events ------------------------------------------------------------------------
 
-    def next_event(self):
+    def next_event(self) -> HeaderEvent | ChunkEvent | EndEvent | None:
         """The next complete event, or None until more bytes are fed."""
         if self._pending:
             return self._pending.popleft()
@@ -164,7 +166,7 @@ class StreamDecoder(PlacementMixin):
             step = getattr(self, "_step_" + self._state, None)
         return None
 
-    def events(self):
+    def events(self) -> Iterator[HeaderEvent | ChunkEvent | EndEvent]:
         """Every event that the bytes fed so far complete."""
         while (ev := self.next_event()) is not None:
             yield ev

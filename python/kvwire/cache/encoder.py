@@ -12,6 +12,7 @@ holds (``chunk_arrays``). ``encode_bytes`` joins the buffers into ``bytes`` (the
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import xxhash
@@ -31,6 +32,10 @@ from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse
 from .args import check_choice, check_count
 from .tensors import as_numpy, as_uint
 
+if TYPE_CHECKING:
+    from .kvcache import KVCache
+    from .sparse import SparseKVCache
+
 FORMS = ("file", "stream")
 
 
@@ -39,7 +44,7 @@ class Encoder:
     per chunk in any order, then ``end()``. Each call returns the buffers to append, in
     order. Dense, state and sparse headers alike (spec/sparse.md: ``chunk(..., head=h)``)."""
 
-    def __init__(self, header: Header, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL):
+    def __init__(self, header: Header, *, codec: Any = "raw", level: int = DEFAULT_ZSTD_LEVEL):
         """``codec``: "raw", "zstd", a preset of ``kvwire.codecs.PRESETS``, a ``CodecSpec``, a
         mapping ``{(layer, component): codec}`` or a callable ``(layer, component, token_start)
         -> codec`` (spec/codecs.md); codec specs are added to the header (``Encoder.header``)."""
@@ -75,7 +80,7 @@ class Encoder:
         self._pos = PREAMBLE_SIZE + len(self._header_bytes)
         return [build_preamble(self._header_bytes, self.header.format_minor), self._header_bytes]
 
-    def chunk(self, layer: int, component: str, token_start: int, data, *, head: int = 0) -> list:
+    def chunk(self, layer: int, component: str, token_start: int, data: Any, *, head: int = 0) -> list:
         """Buffers of one chunk: ``data`` is its [heads, tokens, head_dim] array or tensor.
 
         Sparse headers (spec/sparse.md): one head per chunk, ``head=h``, ``data`` [tokens,
@@ -107,7 +112,8 @@ class Encoder:
 
         return self._emit(layer, component, token_start, n, 0, x.shape[0], body_pieces(as_uint(x)), x=x)
 
-    def encoded_chunk(self, layer: int, component: str, token_start: int, body, token_count: int) -> list:
+    def encoded_chunk(self, layer: int, component: str, token_start: int, body: Any,
+                      token_count: int) -> list:
         """Buffers of one dense chunk of ``token_count`` tokens given as its lossy body in the
         codec spec this encoder's codec choice picks for it: an engine's quantized cache (vLLM's
         turboquant slots, ``kvwire.integrations.vllm_quantized``) carried without
@@ -132,7 +138,7 @@ class Encoder:
         return self._frame(layer, component, token_start, token_count, 0, shape[0], codec, codec_spec, stored,
                            raw_length, None)
 
-    def state_chunk(self, layer: int, index: int, data) -> list:
+    def state_chunk(self, layer: int, index: int, data: Any) -> list:
         """Buffers of state tensor ``index`` of state layer ``layer`` (spec/crossmodel.md, KVW-STATE-7)."""
         self._expect("chunks", "state_chunk")
         h = self.header
@@ -181,7 +187,7 @@ class Encoder:
         return self._emit(layer, component, token_start, n, head, 1,
                           [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")], x=x[None])
 
-    def put(self, chunk: PlannedChunk, data) -> list:
+    def put(self, chunk: PlannedChunk, data: Any) -> list:
         """Buffers of one planned chunk (``format.chunks.chunk_plan``), whatever its kind."""
         if chunk.component == "state":
             return self.state_chunk(chunk.layer, chunk.head, data)
@@ -293,7 +299,8 @@ def check_header_argument(header) -> None:
         check_count(f"Header.{name}", getattr(header, name))
 
 
-def iter_buffers(cache, *, form: str = "file", codec="raw", level: int = DEFAULT_ZSTD_LEVEL, **header_changes):
+def iter_buffers(cache: KVCache | SparseKVCache, *, form: str = "file", codec: Any = "raw",
+                 level: int = DEFAULT_ZSTD_LEVEL, **header_changes: Any) -> Iterator[bytes | memoryview]:
     """Yield the container's buffers (bytes and zero-copy memoryviews) in canonical order.
 
     ``cache`` is a ``KVCache`` or a ``SparseKVCache``; ``header_changes`` override header
@@ -316,7 +323,7 @@ def iter_buffers(cache, *, form: str = "file", codec="raw", level: int = DEFAULT
     yield from enc.end(form=form)
 
 
-def encode_bytes(cache, **opts) -> bytes:
+def encode_bytes(cache: KVCache | SparseKVCache, **opts: Any) -> bytes:
     """The whole container as bytes (see ``iter_buffers`` for the options): the untyped
     core of ``kvwire.encode``, for callers that pass Header fields through as they come."""
     return b"".join(iter_buffers(cache, **opts))

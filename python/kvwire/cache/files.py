@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import stat
+from typing import IO, TYPE_CHECKING, Any, Mapping, Union
 
 import xxhash
 
@@ -29,6 +30,15 @@ from .kvcache import KVCache
 from .reader import Reader
 from .source import map_file, only_this_user_can_write, open_regular, read_all
 from .writev import write_all
+
+if TYPE_CHECKING:
+    from ..format.header import ModelIdentity
+    from .sparse import SparseKVCache
+
+# Where a container is written: a path, or a binary file object (a file opened "wb", io.BytesIO).
+Target = Union[str, "os.PathLike[str]", IO[bytes]]
+# Where a container is read from: a path, a bytes-like object or a binary file object.
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
 
 
 # -- atomic writes (KVW-FILE-6, KVW-WRITE-3 to 5) ----------------------------------------
@@ -219,9 +229,10 @@ def atomic_write(path, buffers, *, fsync: bool = False) -> int:
 ENCODE_KEYWORDS = ("codec", "level", "chunk_tokens", "alignment", "first_position", "model", "metadata", "header_changes")
 
 
-def encode(cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, form: str = "file", chunk_tokens: int | None = None,
-           alignment: int | None = None, first_position: int | None = None, model=None, metadata: dict | None = None,
-           header_changes: dict | None = None, **unknown) -> bytes:
+def encode(cache: KVCache | SparseKVCache, *, codec: Any = "raw", level: int = DEFAULT_ZSTD_LEVEL, form: str = "file",
+           chunk_tokens: int | None = None, alignment: int | None = None, first_position: int | None = None,
+           model: ModelIdentity | None = None, metadata: dict | None = None, header_changes: dict | None = None,
+           **unknown: Any) -> bytes:
     """The whole container as bytes. ``codec``: "raw" (default), "zstd", a preset of
     ``kvwire.codecs.PRESETS`` ("byteplane", "int8", "int4-g32-zstd", "kivi2", ...), a
     ``CodecSpec``, ``{(layer, component): codec}`` or a callable (spec/codecs.md); ``level``: the zstd level; ``form``: "file" (seekable, with an
@@ -234,9 +245,10 @@ def encode(cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, form: str = "
     return b"".join(iter_buffers(cache, form=form, codec=codec, level=level, **changes))
 
 
-def save(file, cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, fsync: bool = False,
-         chunk_tokens: int | None = None, alignment: int | None = None, first_position: int | None = None,
-         model=None, metadata: dict | None = None, header_changes: dict | None = None, **unknown) -> int:
+def save(file: Target, cache: KVCache | SparseKVCache, *, codec: Any = "raw", level: int = DEFAULT_ZSTD_LEVEL,
+         fsync: bool = False, chunk_tokens: int | None = None, alignment: int | None = None,
+         first_position: int | None = None, model: ModelIdentity | None = None, metadata: dict | None = None,
+         header_changes: dict | None = None, **unknown: Any) -> int:
     """Write ``cache`` (a ``KVCache`` or ``SparseKVCache``) in file form; returns the size.
 
     ``file``: a path (str or os.PathLike), written atomically (``atomic_write``: a reader
@@ -268,8 +280,9 @@ def save(file, cache, *, codec="raw", level: int = DEFAULT_ZSTD_LEVEL, fsync: bo
     return total
 
 
-def save_tensors(tensors, file, *, model=None, first_position: int = 0, metadata: dict | None = None,
-                 codec="raw", level: int = DEFAULT_ZSTD_LEVEL, fsync: bool = False) -> int:
+def save_tensors(tensors: Mapping[str, Any], file: Target, *, model: ModelIdentity | None = None,
+                 first_position: int = 0, metadata: dict | None = None, codec: Any = "raw",
+                 level: int = DEFAULT_ZSTD_LEVEL, fsync: bool = False) -> int:
     """``save`` for safetensors users: ``tensors`` is ``{"layers.<i>.k": K, "layers.<i>.v": V}``
     (i = 0 ... n-1, each [heads, tokens, head_dim], numpy or torch; ``KVCache.from_dict``), in
     safetensors' argument order (tensors, then file); returns the size."""
@@ -277,16 +290,21 @@ def save_tensors(tensors, file, *, model=None, first_position: int = 0, metadata
     return save(file, cache, codec=codec, level=level, fsync=fsync)
 
 
-def load_tensors(source, *, device=None, backend: str | None = None, verify: bool = True,
+def load_tensors(source: Source, *, device: Any = None, backend: str | None = None, verify: bool = True,
                  mmap: bool | None = None) -> dict:
     """``{"layers.<i>.<component>": tensor}`` of a container (``KVCache.to_dict``); ``source``
-    and the keywords as for ``load``."""
-    return load(source, device=device, backend=backend, verify=verify, mmap=mmap).to_dict()
+    and the keywords as for ``load``. A sparse container has no such flat form: ``kvwire.load``
+    gives its ``SparseKVCache``."""
+    cache = load(source, device=device, backend=backend, verify=verify, mmap=mmap)
+    if not isinstance(cache, KVCache):
+        raise ValueError("load_tensors reads dense containers; this one is sparse (per-head retained tokens): "
+                         "read it with kvwire.load, which returns a SparseKVCache")
+    return cache.to_dict()
 
 
 # -- reading files ------------------------------------------------------------------------
 
-def open(source, *, mmap: bool | None = None,  # noqa: A001
+def open(source: Source, *, mmap: bool | None = None,  # noqa: A001
          max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Reader:
     """A ``Reader`` over a path, a bytes-like object or a binary file object.
 
@@ -348,8 +366,9 @@ def open(source, *, mmap: bool | None = None,  # noqa: A001
     return Reader(bytes(source) if mmap is False else source, max_decoded_bytes=max_decoded_bytes)
 
 
-def load(source, *, device=None, backend: str | None = None, verify: bool = True, mmap: bool | None = None,
-         max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, threads: int | None = None):
+def load(source: Source, *, device: Any = None, backend: str | None = None, verify: bool = True,
+         mmap: bool | None = None, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+         threads: int | None = None) -> KVCache | SparseKVCache:
     """A ``KVCache`` with its own memory (checksums verified unless ``verify=False``) from a
     path, bytes-like object or binary file object (as for ``open``); ``mmap`` as for ``open``;
     ``device`` ("cpu", "cuda:0", ...) implies ``backend="torch"``; ``threads``: chunks

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..format import registry as R
-from ..format.chunks import chunk_plan
+from ..format.chunks import PlannedChunk, chunk_plan
 from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
 from ..format.kv_scales import KVScale, check_float_dtype, dequantize_array, scales_of, writer_header
 from .args import check_device, resolve_dtype
@@ -76,7 +76,7 @@ class KVCache:
         model: ModelIdentity | None = None,
         first_position: int = 0,
         metadata: Mapping[str, bytes] | None = None,
-        **header_fields,
+        **header_fields: Any,
     ) -> "KVCache":
         """A cache of full-attention layers from per-layer K and V tensors [heads, tokens, head_dim].
 
@@ -163,7 +163,7 @@ class KVCache:
         header = writer_header(replace(self.header, dtype=dtype, kv_scales=None))
         return KVCache(header, [self.dequantize_layer(i, dtype=dtype) for i in range(self.num_layers)])
 
-    def astype(self, dtype) -> "KVCache":
+    def astype(self, dtype: Any) -> "KVCache":
         """The cache with every K/V/LATENT tensor cast to ``dtype`` (a name such as "float32"
         or "bf16", a numpy or torch dtype; floating-point types only): numpy's / torch's own
         cast, rounding to nearest-even, so bf16 -> f32 -> bf16 gives back the same bits.
@@ -190,7 +190,7 @@ class KVCache:
         """"torch" when any tensor is a torch tensor, else "numpy"."""
         return "torch" if any(is_torch(x) for layer in self.layers for _, x in layer_tensors(layer)) else "numpy"
 
-    def to(self, device) -> "KVCache":
+    def to(self, device: Any) -> "KVCache":
         """The cache with every tensor on ``device`` ("cpu", "cuda", "cuda:1", a torch.device),
         as ``torch.Tensor.to`` (a tensor already there is not copied). A numpy cache lives on
         the CPU: ``"cpu"`` returns it, any other device is a ValueError (load it with
@@ -227,7 +227,7 @@ class KVCache:
         return {f"layers.{i}.{name}": x for i, layer in enumerate(self.layers) for name, x in layer_tensors(layer)}
 
     @classmethod
-    def from_dict(cls, tensors: Mapping, **from_tensors_args) -> "KVCache":
+    def from_dict(cls, tensors: Mapping, **from_tensors_args: Any) -> "KVCache":
         """A full-attention cache from ``{"layers.<i>.k": K, "layers.<i>.v": V}`` (i = 0 ... n-1,
         each [heads, tokens, head_dim]), the naming ``to_dict`` writes; keyword arguments as for
         ``from_tensors`` (``model``, ``first_position``, ``metadata``, header fields). Any other
@@ -255,7 +255,7 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(as_numpy(x).nbytes for layer in self.layers for _, x in layer_tensors(layer))
 
-    def chunk_arrays(self):
+    def chunk_arrays(self) -> Iterator[tuple[PlannedChunk, Any]]:
         """(PlannedChunk, array) of every chunk in canonical order (``chunk_plan``): the
         token slice [heads, tokens, dim] of a component, or a whole state tensor. A torch
         tensor is brought to the host once, not once per chunk."""
@@ -269,7 +269,7 @@ class KVCache:
             local = c.token_start - h.layer_tokens[c.layer].start
             yield c, host[:, local : local + c.token_count, :]
 
-    def with_header(self, **changes) -> "KVCache":
+    def with_header(self, **changes: Any) -> "KVCache":
         """Same tensors, header fields replaced (e.g. ``chunk_tokens``, ``model``)."""
         return KVCache(replace(self.header, **changes), self.layers)
 

@@ -9,7 +9,7 @@ view into the buffer; ``layer()`` and ``load`` assemble whole layers with one co
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -29,8 +29,12 @@ from .args import BACKENDS, check_choice, check_count, check_device, check_index
 from .assemble import fill_layer, resolve_threads, run as run_jobs
 from .tensors import carve, empty, view, writable
 
+if TYPE_CHECKING:
+    from ..format.layermap import LayerSource
+    from .sparse import SparseKVCache
 
-def probe(first_bytes) -> Header:
+
+def probe(first_bytes: bytes | bytearray | memoryview) -> Header:
     """The header from the first bytes of a container alone.
 
     Raises ``TruncatedError`` whose ``needed`` says how many bytes (from the start)
@@ -59,8 +63,10 @@ class ChunkInfo(NamedTuple):
 class Reader:
     """A verified view of one container. Use ``kvwire.open`` to make one."""
 
-    def __init__(self, buffer, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES, known_header=None,
-                 _closer=None, _guard=None):
+    def __init__(self, buffer: Any, *, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 known_header: tuple[Header, bytes | bytearray | memoryview] | None = None,
+                 _closer: Callable[[], object] | None = None,
+                 _guard: Callable[[], object] | None = None):
         """``known_header``: ``(header, first_bytes)`` parsed from another copy of this
         container's first bytes; used when the bytes are the same (``read_header``)."""
         try:
@@ -142,7 +148,7 @@ class Reader:
         return len(self.records)
 
     @property
-    def buffer(self):
+    def buffer(self) -> Any:
         """The container's bytes: the mapped file, or the buffer given to ``open``."""
         return self._buf
 
@@ -169,12 +175,12 @@ class Reader:
         return self.records[self.record_index(layer, component, index)]
 
     def chunk(self, layer: int, component: str = "k", index: int = 0, *, verify: bool = True,
-              backend: str = "numpy"):
+              backend: str = "numpy") -> Any:
         """Chunk tensor [heads, tokens, head_dim]; a view into the buffer for raw chunks."""
         check_choice("backend", backend, BACKENDS)
         return self.decode(self.record_index(layer, component, index), verify, backend)
 
-    def iter_chunks(self, *, verify: bool = True, backend: str = "numpy"):
+    def iter_chunks(self, *, verify: bool = True, backend: str = "numpy") -> Iterator[tuple[int, str, int, Any]]:
         """(layer, component, token_start, tensor) in container order."""
         check_choice("backend", backend, BACKENDS)
         for i in range(len(self.records)):
@@ -196,7 +202,7 @@ class Reader:
                 for off, sl, rl, cs, ly, cp, ts, tc, cd, hc in zip(*cols)]
         return self._infos[i]
 
-    def stored(self, i: int, verify: bool = True):
+    def stored(self, i: int, verify: bool = True) -> tuple[ChunkInfo, memoryview]:
         """(ChunkInfo, stored bytes) of record ``i``: a view of the container, its frame checked
         against the index once (file form) and its checksum verified unless ``verify=False``."""
         c = self.info(i)
@@ -214,7 +220,7 @@ class Reader:
                                 rule="KVW-CSUM-1")
         return c, stored
 
-    def decode(self, i: int, verify: bool = True, backend: str = "numpy", scratch: bool = False):
+    def decode(self, i: int, verify: bool = True, backend: str = "numpy", scratch: bool = False) -> Any:
         """Chunk ``i`` as a tensor; ``scratch``: a decoded body may live in a buffer the next
         call reuses (for callers that copy it at once: no fresh allocation per chunk)."""
         if self.header.sparse is not None and self.info(i).component == "positions":
@@ -240,7 +246,7 @@ class Reader:
         data = self.decode_stored(i, c, stored, out)
         return view(writable(data) if backend == "torch" else data, 0, dtype, shape, backend)
 
-    def decode_stored(self, i: int, c: "ChunkInfo", stored, out=None):
+    def decode_stored(self, i: int, c: ChunkInfo, stored: memoryview, out: Any = None) -> Any:
         """Raw bytes of record ``i``'s stored body (or into ``out``), through its codec spec
         when the record names one (``reserved0``, spec/codecs.md)."""
         spec = int(self.records["reserved0"][i]) if self.header.codec_specs else 0
@@ -250,7 +256,7 @@ class Reader:
 
     # -- whole layers ------------------------------------------------------------------
 
-    def layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None,
+    def layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device: Any = None,
               out: dict | None = None, threads: int | None = None) -> dict:
         """{component: tensor [heads, layer tokens, head_dim]}, assembled with one copy.
 
@@ -291,7 +297,7 @@ class Reader:
                 out[t.name] = x
         return {"state": out}
 
-    def layer_for(self, receiver_layer: int):
+    def layer_for(self, receiver_layer: int) -> LayerSource:
         """Where a receiver layer's cache comes from under the header's layer map: a
         ``kvwire.format.layermap.LayerSource`` (op, transmitted_layer, owner) (KVW-MAP-6)."""
         from ..format.layermap import layer_for
@@ -299,7 +305,7 @@ class Reader:
         return layer_for(self.header, receiver_layer)
 
     def load_mapped(self, receiver_layers: int, *, verify: bool = True, backend: str = "numpy",
-                    device=None) -> list:
+                    device: Any = None) -> list:
         """The layer map applied (KVW-MAP-6): for receiver layers ``0..receiver_layers-1``,
         the ``{component: tensor}`` each one uses, or None where it recomputes or drops.
 
@@ -326,7 +332,8 @@ class Reader:
                 out.append(None)
         return out
 
-    def sparse_layer(self, layer: int, *, verify: bool = True, backend: str = "numpy", device=None) -> list:
+    def sparse_layer(self, layer: int, *, verify: bool = True, backend: str = "numpy",
+                     device: Any = None) -> list:
         """Sparse containers: per kv head of ``layer``, ``{"positions", "k", "v"}`` (spec/sparse.md)."""
         from .sparse import read_sparse_layer
 
@@ -336,8 +343,8 @@ class Reader:
         check_choice("backend", backend, BACKENDS)
         return read_sparse_layer(self, layer, verify=verify, backend=backend, device=device)
 
-    def load(self, *, verify: bool = True, backend: str = "numpy", device=None,
-             threads: int | None = None) -> KVCache:
+    def load(self, *, verify: bool = True, backend: str = "numpy", device: Any = None,
+             threads: int | None = None) -> KVCache | SparseKVCache:
         """The whole cache in memory of its own (one allocation, carved into per-layer tensors);
         a ``SparseKVCache`` for a sparse container. ``threads`` as for ``layer``."""
         check_choice("backend", backend, BACKENDS)

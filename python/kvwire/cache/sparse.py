@@ -12,20 +12,23 @@ per token before zstd, and nothing after it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ..format import registry as R
 from ..codecs import decode_body
 from ..codecs.zstd import checksum_required
-from ..format.chunks import chunk_plan
+from ..format.chunks import PlannedChunk, chunk_plan
 from ..format.header import Header, check_header
 from ..format.sparse import (
     SPARSE_BIT, PositionOrder, SparseInfo, decode_positions, encode_positions, layer_heads, retained_count,
     sparse_components,
 )
 from .tensors import as_numpy, as_uint, carve, dtype_name, empty
+
+if TYPE_CHECKING:
+    from .kvcache import KVCache
 
 # ---------------------------------------------------------------------------------------
 # The cache
@@ -70,7 +73,7 @@ class SparseKVCache:
         self.layers = [[dict(head) for head in heads] for heads in layers]
 
     @classmethod
-    def from_heads(cls, dense_header: Header, layers, *, next_position: int | None = None, method: str = "",
+    def from_heads(cls, dense_header: Header, layers: Sequence[Sequence[Mapping[str, Any]]], *, next_position: int | None = None, method: str = "",
                    sink_tokens: int = 0, window_tokens: int = 0) -> "SparseKVCache":
         """A sparse cache with ``dense_header``'s architecture, dtype, model and options;
         retained counts and token_count follow from ``layers``. ``next_position`` defaults
@@ -84,7 +87,8 @@ class SparseKVCache:
         return cls(header, layers)
 
     @classmethod
-    def from_mask(cls, dense, keep_mask, *, method: str = "mask", **info) -> "SparseKVCache":
+    def from_mask(cls, dense: KVCache, keep_mask: Sequence[Any], *, method: str = "mask",
+                  **info: Any) -> "SparseKVCache":
         """Keep, per (layer, kv head), the tokens where ``keep_mask[layer][head, t]`` is true.
 
         ``keep_mask[layer]`` is a bool array [heads, layer tokens] (H2O, SnapKV, AdaKV, DMS
@@ -112,7 +116,7 @@ class SparseKVCache:
         return cls.from_heads(h, layers, method=method, **info)
 
     @classmethod
-    def streaming(cls, dense, sinks: int, window: int) -> "SparseKVCache":
+    def streaming(cls, dense: KVCache, sinks: int, window: int) -> "SparseKVCache":
         """StreamingLLM: every head keeps the first ``sinks`` tokens and the last ``window``."""
         h = dense.header
         t = np.arange(h.token_count)
@@ -129,7 +133,8 @@ class SparseKVCache:
     def next_position(self) -> int:
         return self.header.sparse.next_position
 
-    def positions(self, layer: int, head: int):
+    def positions(self, layer: int, head: int) -> Any:
+        """The absolute positions (int64 [count]) of the tokens ``head`` of ``layer`` retains."""
         return self.layers[layer][head]["positions"]
 
     @property
@@ -137,7 +142,7 @@ class SparseKVCache:
         return sum(as_numpy(x).nbytes for heads in self.layers for head in heads for c, x in head.items()
                    if c != "positions")
 
-    def canonical_tensors(self):
+    def canonical_tensors(self) -> Iterator[tuple[int, str, Any]]:
         """(layer, component, array) per stored (layer, component): the heads' rows
         concatenated in head order ([sum of counts, dim]; positions int64 [sum of counts]),
         the neutral form of the conformance kit (conformance/PROTOCOL.md)."""
@@ -161,7 +166,7 @@ class SparseKVCache:
                            for hd in range(len(n))])
         return cls(header, layers)
 
-    def chunk_arrays(self):
+    def chunk_arrays(self) -> Iterator[tuple[PlannedChunk, Any]]:
         """(PlannedChunk, array) of every chunk in canonical order (layer, component, head,
         cell; KVW-SPARSE-7): [tokens, dim] rows, or the cell's absolute positions."""
         key, host = None, None
@@ -171,7 +176,7 @@ class SparseKVCache:
                 host = as_numpy(self.layers[c.layer][c.head][c.component])
             yield c, host[c.token_start : c.token_start + c.token_count]
 
-    def with_header(self, **changes) -> "SparseKVCache":
+    def with_header(self, **changes: Any) -> "SparseKVCache":
         """Same tensors, header fields replaced (``chunk_tokens``, ``model``, ``alignment`` ...)."""
         return SparseKVCache(replace(self.header, **changes), self.layers)
 

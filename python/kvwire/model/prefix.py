@@ -15,7 +15,7 @@ import numpy as np
 from ..format.header import Header
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, chain, num_chunks, prefix_root, token_bytes
 
-def covered_tokens(header, tokens: Sequence[int], *, fingerprint: bytes | None = None) -> int:
+def covered_tokens(header: Header, tokens: Sequence[int], *, fingerprint: bytes | None = None) -> int:
     """How many leading tokens of ``tokens`` (a request from position 0) the cache's chain covers.
 
     Decided from the header alone (KVW-PREFIX-6). Returns 0 without a (known-scheme) prefix
@@ -79,7 +79,7 @@ class PrefixIndex:
         self._by_hash: dict[bytes, list[tuple[Hashable, int]]] = {}
         self._partial: dict[tuple[bytes, int], list[tuple[bytes, Hashable, int]]] = {}
 
-    def add(self, key: Hashable, header) -> int:
+    def add(self, key: Hashable, header: Header) -> int:
         """Register a cache's chain; returns the number of chunk hashes added (0 without a chain)."""
         p = header.prefix
         if p is None or p.scheme != PREFIX_SCHEME:
