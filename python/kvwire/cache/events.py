@@ -15,11 +15,17 @@ from ..format.header import Header
 
 @dataclass(frozen=True)
 class HeaderEvent:
+    """The header is complete and checked: the first event of a container."""
+
     header: Header
 
 
 @dataclass(frozen=True)
 class ChunkEvent:
+    """One chunk decoded and verified: ``data`` is its [heads, tokens, head_dim] tensor (or,
+    for a sparse container's POSITIONS chunk, the positions) of ``component`` of ``layer``
+    from token ``token_start``."""
+
     layer: int
     component: str
     token_start: int
@@ -38,6 +44,9 @@ class Placed(NamedTuple):
 
 @dataclass(frozen=True)
 class EndEvent:
+    """The end frame arrived and checked (count and digest of the chunks): the container is
+    complete, and only now may what was received be used (KVW-STREAM-2)."""
+
     chunk_count: int
 
 

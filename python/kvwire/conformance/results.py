@@ -34,6 +34,9 @@ def worst(*statuses: str) -> str:
 
 @dataclass
 class RunResult:
+    """The outcome of a conformance run: every case, the producer x consumer matrix and
+    the time taken; ``summary()`` counts statuses per implementation and level."""
+
     impls: list  # labels of the implementations under test
     descriptions: dict  # label -> command line
     vector_sets: list  # (version, number of vectors)

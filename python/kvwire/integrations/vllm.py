@@ -78,11 +78,18 @@ log = logging.getLogger("kvwire.vllm")
 
 @dataclass
 class KVWireMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step: the chunks to load into and save
+    from the engine's KV cache blocks."""
+
     loads: list = field(default_factory=list)  # LoadSpec
     saves: list = field(default_factory=list)  # SaveSpec
 
 
 class KVWireConnector(KVConnectorBase_V1):
+    """vLLM's KV connector (v1) over a kvwire store: configured by ``kv_transfer_config``'s
+    ``kv_connector_extra_config`` (store URL, chunk_tokens, codec, layerwise ...); the
+    scheduler side looks chunks up, the worker side loads and saves them layer by layer."""
+
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})

@@ -54,6 +54,10 @@ SCOPES = ("layer", "model")
 
 @dataclass(frozen=True)
 class LayoutDescriptor:
+    """One engine layout: which axes each tensor dimension holds, their order in memory,
+    how K and V are packed and whether one tensor holds a layer or the whole model
+    (spec/layouts.md); ``get_layout(name)`` returns the registered ones."""
+
     name: str
     dims: tuple[tuple[str, ...], ...]  # per tensor dimension, in shape order: the axes it holds, outer first
     stride_order: tuple[int, ...]  # dimensions from outermost to innermost in memory
