@@ -2,9 +2,9 @@
 
 # namespace: fbs
 
-# Body encoding (registry: spec section "Codec registry"). v1.0: RAW and ZSTD; v1.1 adds
-# the lossless BYTEPLANE_ZSTD and the lossy FP8 and INT_AFFINE, whose parameters are a
-# CodecSpec in Header.codec_specs (spec/codecs.md).
+# Body encoding (registry: spec section "Codec registry"). RAW and ZSTD; with the
+# codec_specs feature (required bit 0, part of 1.0) the lossless BYTEPLANE_ZSTD and the lossy
+# FP8 and INT_AFFINE, whose parameters are a CodecSpec in Header.codec_specs (spec/codecs.md).
 class Codec(object):
     RAW = 0
     ZSTD = 1
