@@ -28,13 +28,15 @@ from . import limits as L
 from . import registry as R
 
 # "X as X": re-exported, so that every part of a Header can be imported from this module
-from .architecture import Architecture, build_architecture, check_architecture, read_architecture
+from .architecture import Architecture as Architecture
 from .architecture import LayerSpec as LayerSpec
 from .architecture import RopeParams as RopeParams
+from .architecture import build_architecture, check_architecture, read_architecture
 from .codec_specs import build_codec_specs, check_codec_specs, read_codec_specs
 from .crossmodel import PrefixChain
 from .engine_layout import MAX_LAYOUT_DIMS as MAX_LAYOUT_DIMS
-from .engine_layout import EngineLayout, build_engine_layout, check_engine_layout, read_engine_layout
+from .engine_layout import EngineLayout as EngineLayout
+from .engine_layout import build_engine_layout, check_engine_layout, read_engine_layout
 from .errors import FeatureError, FormatError, LimitError, SchemaError, VersionError
 from .fbfields import SCALAR, enum_name, offset_vector, read_structs
 from .fbs import Header as fbHeader
