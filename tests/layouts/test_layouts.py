@@ -423,6 +423,19 @@ def test_import_kvwire_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_layouts_names_are_plain_imports_that_need_no_torch():
+    """Every public name of kvwire.layouts is a plain import (static tools follow it; no
+    module ``__getattr__``), and importing them all works where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; import kvwire, kvwire.layouts as L; "
+            "assert not hasattr(L, '__getattr__'); missing = [n for n in L.__all__ if not hasattr(L, n)]; "
+            "assert not missing, missing; assert L.layout_names()[:2]; "
+            "from kvwire.integrations import vllm_plan, vllm_engine")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_engine_containers_are_accepted_as_engines_hold_them():
     """vLLM's dict of layer name -> tensor, SGLang pool objects, a custom descriptor."""
     from types import SimpleNamespace

@@ -7,8 +7,8 @@ whole transfer; here a thread opens the step's loads (``kvwire.store.LayerwiseLo
 batched reads) and then fetches and decodes layer after layer (one batched ranged read per
 layer for all the step's requests, checksums verified), staying at most ``depth`` layers
 ahead of the forward pass so staging memory stays ``depth`` layers. The engine thread only
-scatters a ready layer into its paged buffers (``scatter_layer``: one index copy), so on a
-GPU the copy is ordered with the compute stream.
+scatters a ready layer into its paged buffers (``kvwire.layouts.scatter_slots``: one index
+copy per component on a GPU, so it is ordered with the compute stream).
 
 Nothing here can hang the engine: a layer not ready within ``timeout`` seconds, an error in
 the thread, or a layer the forward pass never waited for (its attention ran without it)
