@@ -19,14 +19,23 @@ import pytest
 import forge
 import kvwire
 from kvwire.format import registry as R
+from kvwire.format.architecture import _LAYER_SCALARS, _ROPE_SCALARS
 from kvwire.format.fbs import Architecture as fbArch
 from kvwire.format.fbs import Header as fbHeader
 from kvwire.format.fbs import LayerSpec as fbLayer
 from kvwire.format.fbs import RopeParams as fbRope
-from kvwire.format.architecture import _LAYER_SCALARS, _ROPE_SCALARS
 from kvwire.format.header import (
-    Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer,
-    RopeParams, TokenRange, build_header, default_layer_tokens, parse_header,
+    Architecture,
+    Header,
+    LayerMapEntry,
+    LayerSpec,
+    ModelIdentity,
+    Producer,
+    RopeParams,
+    TokenRange,
+    build_header,
+    default_layer_tokens,
+    parse_header,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -51,6 +60,22 @@ def test_generated_code_matches_the_schemas(tmp_path):
     assert sorted(generated) == sorted(committed), f"file sets differ ({version})"
     stale = [name for name in generated if generated[name] != committed[name]]
     assert not stale, f"python/kvwire/format/fbs is stale for {stale}: run `make schemas` ({version})"
+
+
+@pytest.mark.parametrize("name", ["--help", "not-generated"])
+def test_generator_never_replaces_a_folder_it_did_not_write(tmp_path, name):
+    """``gen_schemas.py`` removes its output folder before writing: a folder it did not write
+    (a mistyped argument, a flag taken as a path) is refused and left as it was."""
+    out = tmp_path / name
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_schemas.py"), str(out)], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0 and "not replacing it" in proc.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    helped = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_schemas.py"), "--help"], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert helped.returncode == 0 and "usage" in helped.stdout and not (tmp_path / "--help" / "Header.py").exists()
 
 
 def test_schema_enums_match_the_registries():
@@ -221,7 +246,7 @@ def test_defaults_are_really_omitted_from_the_buffer():
     data = build_header(DEFAULTS)
     h = fbHeader.Header.GetRootAs(data, 0)
     spec = h.Arch().LayerSpecs(0)
-    absent = lambda table, fid: table._tab.Offset(4 + 2 * fid) == 0  # noqa: E731
+    absent = lambda table, fid: table._tab.Offset(4 + 2 * fid) == 0
     assert all(absent(spec, fid) for _, fid, _, _ in _LAYER_SCALARS if fid not in (1, 2, 3))
     assert absent(h.Arch(), 0) and absent(h.Arch(), 5)  # schema_version, keys_post_rope
     assert h.LayerTokensIsNone() and h.LayerMapIsNone() and h.CustomMetadataIsNone()
