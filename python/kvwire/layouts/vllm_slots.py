@@ -105,40 +105,57 @@ def _token_views(kv_layer, form: str, head_dim: int) -> dict:
     return {"k": (k.permute(0, 1, 2, 4, 3, 5), AMX_ROWS, 2), "v": (v.permute(0, 1, 3, 5, 2, 4), 2, AMX_ROWS)}
 
 
-def _copies(view, g: int, c: int, std, ids: np.ndarray, block_size: int):
-    """(engine part, standard part) pairs covering the slots ``ids`` of ``view`` (the
-    component as ``_token_views`` gives it) and ``std`` ([H, len(ids), D]): per run of
-    consecutive slots, its whole blocks in one strided copy, the tokens of a partial block
-    by whole groups of ``g`` (one copy) and the partial groups around them (one each)."""
+def _plan(ids: np.ndarray, block_size: int, g: int) -> list:
+    """The strided copies that move the slots ``ids`` to positions 0.. of a standard
+    [H, len(ids), D] array, worked out once for all components of a layer: per run of
+    consecutive slots, its whole blocks in one copy (``BLOCKS``), the tokens of a partial
+    block by whole groups of ``g`` in one (``GROUPS``; ``g`` = 1: all of them) and each
+    partial group around them in one (``PART``)."""
     N = block_size
-    vt = view.transpose(0, 1)  # [H, B, N, D] or [H, B, N/g, g, D/c, c]
-    st = std if g == 1 else std.unflatten(2, (-1, c))  # [H, T, D] or [H, T, D/c, c]
-    per_block = (-1, N) if g == 1 else (-1, N // g, g)
-    blocked: dict = {}  # r -> st's tokens [r, r + k*N) as [H, k, N, ...] (slicing it is cheaper)
+    steps: list[tuple[int, ...]] = []
     for j, s, n in id_runs(ids):
         e = s + n
         lo = min(-(-s // N) * N, e)  # [lo, hi): whole blocks
         hi = max(e // N * N, lo)
         if hi > lo:
             p = j + lo - s
-            r = p % N
-            if r not in blocked:
-                blocked[r] = st[:, r : r + (st.shape[1] - r) // N * N].unflatten(1, per_block)
-            yield vt[:, lo // N : hi // N], blocked[r][:, p // N : p // N + (hi - lo) // N]
+            steps.append((BLOCKS, lo // N, hi // N, p % N, p // N, p // N + (hi - lo) // N))
         for t0, t1 in ((s, lo), (hi, e)):  # inside one block: [a, z) whole groups
             if t1 <= t0:
                 continue
-            b, o, m, at = t0 // N, t0 % N, t1 - t0, j + t0 - s
-            if g == 1:
-                yield vt[:, b, o : o + m], st[:, at : at + m]
-                continue
+            blk, o, m, at = t0 // N, t0 % N, t1 - t0, j + t0 - s
             a = min(-(-o // g) * g, o + m)
             z = max((o + m) // g * g, a)
             if z > a:
-                yield vt[:, b, a // g : z // g], st[:, at + a - o : at + z - o].unflatten(1, (-1, g))
+                steps.append((GROUPS, blk, a // g, z // g, at + a - o, at + z - o))
             for u0, u1 in ((o, a), (z, o + m)):
                 if u1 > u0:
-                    yield vt[:, b, u0 // g, u0 % g : u1 % g or g], st[:, at + u0 - o : at + u1 - o]
+                    steps.append((PART, blk, u0 // g, u0 % g, u1 % g or g, at + u0 - o, at + u1 - o))
+    return steps
+
+
+BLOCKS, GROUPS, PART = range(3)
+
+
+def _copies(view, g: int, c: int, std, plan: list, block_size: int):
+    """(engine part, standard part) pairs of ``plan`` for one component: ``view`` as
+    ``_token_views`` gives it, ``std`` its [H, tokens, D] standard array."""
+    vt = view.transpose(0, 1)  # [H, B, N, D] or [H, B, N/g, g, D/c, c]
+    st = std if g == 1 else std.unflatten(2, (-1, c))  # [H, T, D] or [H, T, D/c, c]
+    per_block = (-1, block_size) if g == 1 else (-1, block_size // g, g)
+    blocked: dict = {}  # r -> st's tokens [r, r + k*N) as [H, k, N, ...] (slicing it is cheaper)
+    for step in plan:
+        if step[0] == BLOCKS:
+            _, b0, b1, r, q0, q1 = step
+            if r not in blocked:
+                blocked[r] = st[:, r : r + (st.shape[1] - r) // block_size * block_size].unflatten(1, per_block)
+            yield vt[:, b0:b1], blocked[r][:, q0:q1]
+        elif step[0] == GROUPS:
+            _, b, a, z, p0, p1 = step
+            yield vt[:, b, a:z], (st[:, p0:p1] if g == 1 else st[:, p0:p1].unflatten(1, (-1, g)))
+        else:
+            _, b, grp, u0, u1, p0, p1 = step
+            yield vt[:, b, grp, u0:u1], st[:, p0:p1]
 
 
 def _layout(kv_layer, slot_ids, head_dim: int, packing: str, cpu_isa, indexed):
@@ -162,7 +179,8 @@ def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", c
 
     views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
     n, t = kv_layer.shape[2], len(ids)
-    out = {}
+    out: dict = {}
+    plans: dict = {}  # g -> _plan
     if index:
         idx = torch.from_numpy(ids).to(kv_layer.device)
         blocks, offs = idx // n, idx % n
@@ -173,7 +191,9 @@ def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", c
             continue
         dst = torch.empty((view.shape[1], t, view.shape[-2] * c if g > 1 else view.shape[3]), dtype=view.dtype,
                           device=view.device)
-        for src, part in _copies(view, g, c, dst, ids, n):
+        if g not in plans:
+            plans[g] = _plan(ids, n, g)
+        for src, part in _copies(view, g, c, dst, plans[g], n):
             part.copy_(src)
         out[comp] = dst.view(kv_layer.dtype)
     return out
@@ -190,6 +210,7 @@ def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str 
     views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
     n, dev = kv_layer.shape[2], kv_layer.device
     want = views[next(iter(views))][0].dtype
+    plans: dict = {}  # g -> _plan
 
     def tensor(a):  # [H, tokens, dim] integer elements on the buffer's device
         if not isinstance(a, torch.Tensor):
@@ -211,5 +232,7 @@ def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str 
             else:
                 view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
             continue
-        for part, vals in _copies(view, g, c, src, ids, n):
+        if g not in plans:
+            plans[g] = _plan(ids, n, g)
+        for part, vals in _copies(view, g, c, src, plans[g], n):
             part.copy_(vals)
