@@ -217,7 +217,7 @@ class Keyring:
 
     # -- sources (KVW-AUTH-2) ------------------------------------------------------------
     @classmethod
-    def from_text(cls, text: str, source: str = "keys") -> "Keyring":
+    def from_text(cls, text: str, source: str = "keys") -> Keyring:
         """Entries ``<key id> <secret>`` (hex, or ``base64:`` then standard base64), one a
         line (or separated by commas); blank lines and ``#`` comments are skipped."""
         pairs = []
@@ -237,7 +237,7 @@ class Keyring:
             raise StoreError(f"{source}: {exc}") from None
 
     @classmethod
-    def from_file(cls, path) -> "Keyring":
+    def from_file(cls, path) -> Keyring:
         """A key file: a regular file readable by its owner alone (mode 0600 or 0400)."""
         path = os.fspath(path)
         try:
@@ -263,7 +263,7 @@ class Keyring:
         return cls.from_text(text, f"key file {path!r}")
 
     @classmethod
-    def load(cls, key_file=None, environ=None) -> "Keyring | None":
+    def load(cls, key_file=None, environ=None) -> Keyring | None:
         """The keyring a process is configured with: ``key_file`` when given, else the file
         named by ``KVWIRE_STORE_KEY_FILE``, else ``KVWIRE_STORE_KEYS``; None when none is set
         (no authentication). Setting both variables is refused."""

@@ -15,13 +15,21 @@ because the bytes were never the problem.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..format.errors import Error
 from .counters import Counters
 
 KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(?:/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")  # no segment starts with "."
 MAX_KEY_LENGTH = 1024
+
+# A byte range of an object (KVW-STORE-3, ``resolve_range``): None (the whole object),
+# (offset, length), (offset, None) or (-n, None).
+ByteRange = tuple[int, int | None] | None
+# What ``put`` stores: one bytes-like object, or a sequence of them written as one object.
+PutValue = Any
 
 
 class StoreError(Error):
@@ -30,7 +38,7 @@ class StoreError(Error):
     code = "STORE_ERROR"
 
 
-def check_key(key) -> str:
+def check_key(key: object) -> str:
     """A key is ASCII ``[A-Za-z0-9._-]`` segments joined by "/", no segment starting with "."
     (KVW-STORE-2); anything else is refused before it reaches a backend."""
     if not isinstance(key, str):
@@ -45,7 +53,7 @@ SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]*"
 KEYS_RE = re.compile(rf"(?:{SEGMENT}(?:/{SEGMENT})*\n)*")
 
 
-def check_keys(keys) -> list[str]:
+def check_keys(keys: Iterable[str]) -> list[str]:
     """``check_key`` of every key of a batch, as one regular-expression pass over the
     joined keys (a 512-key hit query is checked in microseconds, not a millisecond)."""
     keys = list(keys)
@@ -56,7 +64,7 @@ def check_keys(keys) -> list[str]:
     return keys
 
 
-def resolve_range(byte_range, size: int) -> tuple[int, int]:
+def resolve_range(byte_range: ByteRange, size: int) -> tuple[int, int]:
     """[start, stop) of ``byte_range`` in an object of ``size`` bytes (KVW-STORE-3).
 
     ``None``: the whole object. ``(offset, length)`` with offset >= 0 and length >= 0: the
@@ -104,7 +112,7 @@ class StoreStats(Counters):
     unavailable: int = 0  # keys answered as misses because their node was down (a cluster)
 
 
-def as_buffers(value) -> list:
+def as_buffers(value: PutValue) -> list:
     """A put value as a list of byte buffers: one bytes-like object, or a sequence of them
     (the encoder's buffers, written without joining them first)."""
     try:
@@ -137,17 +145,17 @@ class Store:
     url = "store://"
     batch_bytes = BATCH_BYTES  # what a batch of this backend should hold (see above)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stats = StoreStats()
 
-    def count(self, **deltas) -> None:
+    def count(self, **deltas: int) -> None:
         self.stats.add(**deltas)  # under the counters' lock: batch calls may come from several threads
 
     # single-key operations, provided by a backend
-    def get(self, key: str, byte_range=None) -> bytes | None:
+    def get(self, key: str, byte_range: ByteRange = None) -> bytes | None:
         raise NotImplementedError
 
-    def put(self, key: str, value) -> bool:
+    def put(self, key: str, value: PutValue) -> bool:
         """Store ``value`` under ``key`` unless it exists; True when written, False when skipped."""
         raise NotImplementedError
 
@@ -162,7 +170,7 @@ class Store:
         """Every key starting with ``prefix``, sorted."""
         raise NotImplementedError
 
-    def sizes(self, keys) -> list:
+    def sizes(self, keys: Sequence[str]) -> list:
         """The size in bytes of each key's object (None for a miss), in one batch: what
         ``kvwire store ls`` and ``stats`` show, without reading object bytes."""
         raise NotImplementedError
@@ -175,22 +183,22 @@ class Store:
                 "bytes": sum(s or 0 for s in self.sizes(keys))}
 
     # batch forms
-    def get_many(self, keys, byte_range=None) -> list:
+    def get_many(self, keys: Sequence[str], byte_range: ByteRange = None) -> list:
         return [self.get(k, byte_range) for k in keys]
 
-    def get_ranges(self, requests) -> list:
+    def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> list:
         """The bytes of each ``(key, byte_range)`` of ``requests`` (None for a miss), each
         with its own range, in one batch: a layer-by-layer reader fetches one layer's frames
         from every object of a request at once (KVW-STORE-5)."""
         return [self.get(k, r) for k, r in requests]
 
-    def put_many(self, items) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
         return [self.put(k, v) for k, v in items]
 
-    def exists_many(self, keys) -> list[bool]:
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.exists(k) for k in keys]
 
-    def leading(self, keys) -> int:
+    def leading(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` exist (the hit query, KVW-STORE-5): one batch exists;
         a backend may stop at the first miss."""
         n = 0

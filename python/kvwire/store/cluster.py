@@ -17,11 +17,14 @@ once; ``ASK`` replies (a slot being migrated) are followed with ``ASKING``.
 from __future__ import annotations
 
 import threading
-from binascii import crc_hqx
 import time
+from binascii import crc_hqx
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 from .base import Store, StoreError, check_keys
 from .redis import DEFAULT_TIMEOUT, MISSING, Node, RedisStore, check_timeout, import_redis, parse_host
-from .redis_url import RedisURL, parse_redis_url
+from .redis_url import RedisURL, TLSOptions, parse_redis_url
 
 SLOTS = 16384
 # Position of the first of ARGV (this node's keys, in the request's order) that is missing.
@@ -37,8 +40,9 @@ class RedisClusterStore(RedisStore):
     ``TLSOptions``) every master is reached over TLS with the same options
     (``rediss-cluster://``, KVW-STORE-41). ``url`` is redacted (KVW-STORE-39)."""
 
-    def __init__(self, seeds, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None,
-                 username=None, password=None, retry_after: float = 1.0, tls=None):
+    def __init__(self, seeds: Iterable[tuple[str, int]], *, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float | None = None, username: str | None = None, password: str | None = None,
+                 retry_after: float = 1.0, tls: TLSOptions | None = None):
         Store.__init__(self)
         seeds = [(str(h), int(p)) for h, p in seeds]
         if not seeds:
@@ -47,7 +51,7 @@ class RedisClusterStore(RedisStore):
         if connect_timeout is not None:
             check_timeout(connect_timeout)
         self.url = RedisURL("rediss-cluster" if tls else "redis-cluster", seeds, 0, username, password, tls=tls).url
-        self._opts = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password,
+        self._opts: dict[str, Any] = dict(timeout=timeout, connect_timeout=connect_timeout, username=username, password=password,
                           ssl_context=tls.context(self.url) if tls else None,
                           server_name=tls.server_name if tls else None)
         import_redis()
@@ -86,7 +90,7 @@ class RedisClusterStore(RedisStore):
             return
         raise StoreError(f"{self.url}: no seed node answered CLUSTER SLOTS: {'; '.join(errors) or 'all marked down'}")
 
-    def slot_map(self, reply, addr: str) -> list:
+    def slot_map(self, reply: Any, addr: str) -> list:
         """The owner ("host:port") of each slot from a CLUSTER SLOTS reply; a reply that is
         not one is a StoreError (KVW-STORE-40), never a wrong map."""
         slots: list[str | None] = [None] * SLOTS
@@ -119,7 +123,7 @@ class RedisClusterStore(RedisStore):
         return crc_hqx(key.encode("ascii"), 0) & (SLOTS - 1)
 
     # -- one round trip per node ---------------------------------------------------------
-    def run(self, commands, keys) -> list:
+    def run(self, commands: Sequence[list], keys: Sequence[str]) -> list:
         replies = self.dispatch(commands, keys)
         moved = [i for i, r in enumerate(replies) if isinstance(r, Exception) and str(r).startswith("MOVED")]
         if moved:
@@ -137,14 +141,14 @@ class RedisClusterStore(RedisStore):
                     replies[i] = MISSING
         return replies
 
-    def dispatch(self, commands, keys) -> list:
+    def dispatch(self, commands: Sequence[list], keys: Sequence[str]) -> list:
         groups: dict[str | None, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(self._slots[self.slot(key)], []).append(i)
         replies: list = [MISSING] * len(commands)
         jobs = list(groups.items())
         results = self.fan_out([(addr, [commands[i] for i in idx]) for addr, idx in jobs])
-        for (addr, idx), got in zip(jobs, results):
+        for (_addr, idx), got in zip(jobs, results):
             if got is None:
                 self.count(unavailable=len(idx))
                 continue
@@ -153,7 +157,7 @@ class RedisClusterStore(RedisStore):
                 replies[i] = r
         return replies
 
-    def fan_out(self, batches) -> list:
+    def fan_out(self, batches: Sequence[tuple[str | None, list]]) -> list:
         """Send every node its batch, then read every node's replies: the nodes work at
         once, in one round trip. A node that is down (or fails) answers None."""
         started = []
@@ -168,7 +172,7 @@ class RedisClusterStore(RedisStore):
         out = []
         for (addr, cmds), conn in zip(batches, started):
             got = None
-            if conn is not None:
+            if conn is not None and addr is not None:
                 try:
                     got = self.node_at(addr).finish(conn, len(cmds))
                 except StoreError:
@@ -176,7 +180,7 @@ class RedisClusterStore(RedisStore):
             out.append(got)
         return out
 
-    def leading(self, keys) -> int:
+    def leading(self, keys: Sequence[str]) -> int:
         """Leading keys that exist: every node runs one script over its own keys, in
         parallel (one round trip per node), and answers the position of its first miss;
         the hits end at the earliest one. Keys on a down node are misses."""

@@ -97,7 +97,7 @@ class KeySpace:
             object.__setattr__(self, "identity_digest", d)
 
     @classmethod
-    def of(cls, header, *, tp_rank: int = 0, tp_size: int = 1, codec="raw") -> "KeySpace":
+    def of(cls, header, *, tp_rank: int = 0, tp_size: int = 1, codec="raw") -> KeySpace:
         """The key space of a cache's header (all of its layers)."""
         return cls(header.model.compat_fingerprint, header.dtype, header.chunk_tokens, (0, header.num_layers),
                    tp_rank, tp_size, codec_fidelity(codec))
@@ -116,7 +116,7 @@ class KeySpace:
             return f"{self.root}i{self.identity_digest.hex()}/{h.hex()}"
         return self.root + h.hex()
 
-    def scoped(self, digest: bytes | None) -> "KeySpace":
+    def scoped(self, digest: bytes | None) -> KeySpace:
         """This space for one chunk of identity digest ``digest`` (None: unscoped)."""
         if digest == self.identity_digest:
             return self

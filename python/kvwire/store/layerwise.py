@@ -3,15 +3,15 @@
 Why: an engine computes layer by layer, and layer ``i`` needs only layer ``i``'s KV. A
 loader that fetches everything before the forward pass makes the first layer wait for the
 last layer's bytes; one that reads layer ``i + 1`` while layer ``i`` computes hides all
-but one layer of the transfer (the brief's layer-wise pipelining, spec/store.md
-KVW-STORE-27).
+but one layer of the transfer (layer-wise pipelining, spec/store.md KVW-STORE-27).
 
 How, without a format of its own: every chunk object is an ordinary file-form container
 whose frames follow its index, a layer's frames next to each other (canonical order,
 KVW-CHUNK-9), so one layer of one object is one byte range. Opening a load reads, for all
-its objects at once, the header (one batched ranged get of ``HEAD_BYTES``, checked exactly
-as ``KVStore.get_cache`` checks it, KVW-STORE-17) and the tail (one batched suffix get: the
-end frame, the index and the trailer). Each layer is then one batched ``get_ranges`` of
+its objects at once, the header (one batched ranged get of ``HEAD_BYTES``, checked by the
+step ``KVStore.get_cache`` opens objects with, ``objects.open_heads``: KVW-STORE-17) and the
+tail (one batched suffix get: the end frame, the index and the trailer, whose sizes
+``format.container`` bounds). Each layer is then one batched ``get_ranges`` of
 that layer's frames from every object, decoded with checksums into the caller's arrays.
 
 The bytes of an object land in one buffer of the size its trailer states, and a

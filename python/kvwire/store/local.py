@@ -34,10 +34,21 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Iterable, Sequence
 
 from ..cache.files import write_all
 from . import local_fs as fs
-from .base import LOCAL_BATCH_BYTES, Store, StoreError, as_buffers, check_key, check_keys, resolve_range
+from .base import (
+    LOCAL_BATCH_BYTES,
+    ByteRange,
+    PutValue,
+    Store,
+    StoreError,
+    as_buffers,
+    check_key,
+    check_keys,
+    resolve_range,
+)
 
 LOW_WATER = 0.9  # eviction stops below this fraction of the cap
 TEMP_PREFIX, STALE_TEMP_SECONDS, MARKER = fs.TEMP_PREFIX, fs.STALE_TEMP_SECONDS, fs.MARKER
@@ -51,7 +62,7 @@ class LocalStore(Store):
 
     batch_bytes = LOCAL_BATCH_BYTES
 
-    def __init__(self, root, *, max_bytes: int | None = None, rescan_puts: int = 64, fsync: bool = False,
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, rescan_puts: int = 64, fsync: bool = False,
                  shared: str = "private", create: bool = True):
         super().__init__()
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
@@ -100,16 +111,16 @@ class LocalStore(Store):
         return self.root + os.sep + (key if os.sep == "/" else key.replace("/", os.sep))
 
     # -- reads ---------------------------------------------------------------------------
-    def get(self, key, byte_range=None):
+    def get(self, key: str, byte_range: ByteRange = None) -> bytes | None:
         check_key(key)
         with self._dirs() as dirs:
             return self._get(dirs, key, byte_range)
 
-    def get_many(self, keys, byte_range=None) -> list:
+    def get_many(self, keys: Sequence[str], byte_range: ByteRange = None) -> list:
         with self._dirs() as dirs:
             return [self._get(dirs, k, byte_range) for k in check_keys(keys)]
 
-    def get_ranges(self, requests) -> list:
+    def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> list:
         requests = list(requests)
         check_keys([k for k, _ in requests])
         with self._dirs() as dirs:
@@ -165,16 +176,16 @@ class LocalStore(Store):
         except OSError as exc:
             raise StoreError(f"{self.url}: stat of {key!r} failed: {exc}") from exc
 
-    def exists(self, key) -> bool:
+    def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
 
-    def exists_many(self, keys) -> list[bool]:
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
         keys = check_keys(keys)
         self.count(exists_calls=1)
         with self._dirs() as dirs:
             return [(st := self._stat(dirs, k)) is not None and stat.S_ISREG(st.st_mode) for k in keys]
 
-    def leading(self, keys) -> int:
+    def leading(self, keys: Sequence[str]) -> int:
         """Leading keys that exist, stopping at the first miss. The keys are checked in one
         pass, and each is ``stat``-ed relative to its directory's descriptor (a request's
         chunk keys share one, resolved once)."""
@@ -188,7 +199,7 @@ class LocalStore(Store):
                 n += 1
         return n
 
-    def sizes(self, keys) -> list:
+    def sizes(self, keys: Sequence[str]) -> list:
         """Each key's file size by ``lstat`` (None: no regular file), reading no bytes."""
         keys = check_keys(keys)
         with self._dirs() as dirs:
@@ -226,12 +237,12 @@ class LocalStore(Store):
                         yield key, st.st_size, st.st_atime_ns
 
     # -- writes --------------------------------------------------------------------------
-    def put(self, key, value) -> bool:
+    def put(self, key: str, value: PutValue) -> bool:
         check_key(key)
         with self._dirs() as dirs:
             return self._put(dirs, key, value)
 
-    def put_many(self, items) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
         items = list(items)
         check_keys([k for k, _ in items])
         with self._dirs() as dirs:
@@ -303,7 +314,7 @@ class LocalStore(Store):
             os.fsync(fd)
         return size
 
-    def delete(self, key) -> bool:
+    def delete(self, key: str) -> bool:
         """Unlink the regular file of ``key`` (never a link, never through one); refused
         where the store marker is missing (KVW-STORE-28)."""
         check_key(key)
@@ -354,7 +365,7 @@ class LocalStore(Store):
             if total > target:
                 self.require_marker(dirs, "evict")
             sizes = {key: size for key, size, _ in objects}
-            for key, size, _ in objects:
+            for key, _size, _ in objects:
                 if total <= target:
                     break
                 if key in sizes and self._unlink_object(dirs, key):

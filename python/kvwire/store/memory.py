@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from .base import LOCAL_BATCH_BYTES, Store, StoreError, as_buffers, check_key, resolve_range
+from .base import LOCAL_BATCH_BYTES, ByteRange, PutValue, Store, StoreError, as_buffers, check_key, resolve_range
 
 
 class MemoryStore(Store):
@@ -32,7 +33,7 @@ class MemoryStore(Store):
         self._size = 0
         self._lock = threading.Lock()
 
-    def get(self, key, byte_range=None):
+    def get(self, key: str, byte_range: ByteRange = None) -> bytes | None:
         check_key(key)
         with self._lock:
             value = self._items.get(key)
@@ -46,7 +47,7 @@ class MemoryStore(Store):
         self.count(gets=1, hits=1, bytes_in=len(out))
         return out
 
-    def put(self, key, value) -> bool:
+    def put(self, key: str, value: PutValue) -> bool:
         check_key(key)
         bufs = as_buffers(value)
         size = sum(b.nbytes for b in bufs)
@@ -66,18 +67,18 @@ class MemoryStore(Store):
         self.count(puts=1, written=1, bytes_out=size, evictions=evicted)
         return True
 
-    def exists(self, key) -> bool:
+    def exists(self, key: str) -> bool:
         check_key(key)
         self.count(exists_calls=1)
         return key in self._items
 
-    def exists_many(self, keys) -> list[bool]:
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
         keys = [check_key(k) for k in keys]
         self.count(exists_calls=1)
         with self._lock:
             return [k in self._items for k in keys]
 
-    def delete(self, key) -> bool:
+    def delete(self, key: str) -> bool:
         check_key(key)
         with self._lock:
             value = self._items.pop(key, None)
@@ -90,7 +91,7 @@ class MemoryStore(Store):
         with self._lock:
             return sorted(k for k in self._items if k.startswith(prefix))
 
-    def sizes(self, keys) -> list:
+    def sizes(self, keys: Sequence[str]) -> list:
         keys = [check_key(k) for k in keys]
         with self._lock:
             return [None if (v := self._items.get(k)) is None else len(v) for k in keys]

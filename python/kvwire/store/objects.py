@@ -19,6 +19,7 @@ import numpy as np
 
 from ..cache.reader import probe
 from ..format.errors import FormatError, TruncatedError
+from ..format.header import Header
 from .keys import KeySpace, header_mismatches
 from .tagged import read_heads
 
@@ -30,7 +31,7 @@ class Head(NamedTuple):
     read, and with a keyring its verified ``Tag`` (KVW-AUTH-6)."""
 
     key: str
-    header: object
+    header: Header
     first: bytes  # the object's first bytes: the whole object when shorter than HEAD_BYTES
     tag: object = None
 

@@ -24,10 +24,12 @@ within it, never a hang. ``kvwire.store.cluster`` routes the same commands per n
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from .base import Store, StoreError, as_buffers, check_key, check_keys, resolve_range
+from .base import ByteRange, PutValue, Store, StoreError, as_buffers, check_key, check_keys, resolve_range
 from .redis_conn import describe_failure, import_redis, tls_connection_class
-from .redis_url import RedisURL, parse_host, parse_redis_url
+from .redis_url import RedisURL, TLSOptions, parse_host, parse_redis_url
 
 DEFAULT_TIMEOUT = 5.0
 COALESCE = 64 << 10  # buffers smaller than this are joined into the command's framing
@@ -193,7 +195,8 @@ class RedisStore(Store):
     (KVW-STORE-39): what messages, logs and statistics print."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float | None = None, username=None, password=None, tls=None):
+                 connect_timeout: float | None = None, username: str | None = None, password: str | None = None,
+                 tls: TLSOptions | None = None):
         super().__init__()
         self.timeout = check_timeout(timeout)
         if connect_timeout is not None:
@@ -204,7 +207,7 @@ class RedisStore(Store):
                          server_name=tls.server_name if tls else None)
 
     # -- routing: one server answers everything (the cluster overrides these two) ---------
-    def run(self, commands, keys) -> list:
+    def run(self, commands: Sequence[list], keys: Sequence[str]) -> list:
         """Replies of ``commands`` (one per key of ``keys``), one round trip per node."""
         replies = self.node.execute(commands)
         self.count(round_trips=1)
@@ -213,7 +216,7 @@ class RedisStore(Store):
     def nodes(self) -> list[Node]:
         return [self.node]
 
-    def raise_error(self, reply, key, kinds=None):
+    def raise_error(self, reply: Any, key: str, kinds: type | tuple[type, ...] | None = None) -> Any:
         """``reply``, unless it is an error reply or (with ``kinds``) not of the type the
         command answers: a StoreError, never a value passed on (KVW-STORE-40)."""
         if isinstance(reply, Exception):
@@ -224,13 +227,13 @@ class RedisStore(Store):
         return reply
 
     # -- reads ---------------------------------------------------------------------------
-    def get(self, key, byte_range=None):
+    def get(self, key: str, byte_range: ByteRange = None) -> bytes | None:
         return self.get_many([key], byte_range)[0]
 
-    def get_many(self, keys, byte_range=None) -> list:
+    def get_many(self, keys: Sequence[str], byte_range: ByteRange = None) -> list:
         return self.get_ranges([(k, byte_range) for k in keys])
 
-    def get_ranges(self, requests) -> list:
+    def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> list:
         requests = list(requests)
         keys = check_keys(k for k, _ in requests)
         if not keys:
@@ -244,10 +247,10 @@ class RedisStore(Store):
         self.count(gets=len(keys), hits=len(got), misses=len(keys) - len(got), bytes_in=sum(map(len, got)))
         return out
 
-    def exists(self, key) -> bool:
+    def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
 
-    def exists_many(self, keys) -> list[bool]:
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
         keys = check_keys(keys)
         self.count(exists_calls=1)
         if not keys:
@@ -255,7 +258,7 @@ class RedisStore(Store):
         replies = self.run([["EXISTS", k] for k in keys], keys)
         return [reply is not MISSING and bool(self.raise_error(reply, k, int)) for k, reply in zip(keys, replies)]
 
-    def leading(self, keys) -> int:
+    def leading(self, keys: Sequence[str]) -> int:
         """One server-side script over the keys in order: stops at the first miss and reads
         no value bytes (KVW-STORE-5, KVW-STORE-23)."""
         keys = check_keys(keys)
@@ -269,7 +272,7 @@ class RedisStore(Store):
             raise StoreError(f"{self.url}: the hit query answered {n} for {len(keys)} keys: is this a Redis server?")
         return n
 
-    def sizes(self, keys) -> list:
+    def sizes(self, keys: Sequence[str]) -> list:
         keys = check_keys(keys)
         out = []
         for i in range(0, len(keys), BATCH_KEYS):
@@ -301,10 +304,10 @@ class RedisStore(Store):
                 return keys
 
     # -- writes --------------------------------------------------------------------------
-    def put(self, key, value) -> bool:
+    def put(self, key: str, value: PutValue) -> bool:
         return self.put_many([(key, value)])[0]
 
-    def put_many(self, items) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
         """All objects in one pipelined round trip per node; each is ``SET key value NX``."""
         items = [(check_key(k), as_buffers(v)) for k, v in items]
         if not items:
@@ -323,7 +326,7 @@ class RedisStore(Store):
         self.count(puts=len(items), written=written, skipped=len(items) - written, bytes_out=size)
         return out
 
-    def delete(self, key) -> bool:
+    def delete(self, key: str) -> bool:
         key = check_key(key)
         reply = self.run([["DEL", key]], [key])[0]
         gone = reply is not MISSING and bool(self.raise_error(reply, key, int))

@@ -25,7 +25,7 @@ def import_redis():
     return redis
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tls_connection_class():
     """redis-py's ``Connection`` whose socket is wrapped in the store's ``SSLContext``
     (KVW-STORE-36/37): one context per store (CA and client certificate loaded once),
