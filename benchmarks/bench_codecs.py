@@ -41,12 +41,11 @@ import zstandard
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cache_shape_args, cpu_model  # noqa: E402 (benchmarks/_common.py)
-
-import kvwire  # noqa: E402
-from kvwire.codecs import decode_chunk, native, quant  # noqa: E402
-from kvwire.codecs.pipeline import lossy_range  # noqa: E402
-from kvwire.tools.synth import synth_cache  # noqa: E402
+import kvwire
+from _common import cache_shape_args, cpu_model
+from kvwire.codecs import decode_chunk, native, quant
+from kvwire.codecs.pipeline import lossy_range
+from kvwire.tools.synth import synth_cache
 
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2",

@@ -36,12 +36,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))  # harmless when kvwire is installed editable
 
-from _common import cache_shape_args  # noqa: E402 (benchmarks/_common.py)
-
-import kvwire  # noqa: E402
-from kvwire.cache.encoder import iter_buffers  # noqa: E402
-from kvwire.cache.writev import write_all  # noqa: E402
-from kvwire.tools.synth import synth_cache  # noqa: E402
+import kvwire
+from _common import cache_shape_args
+from kvwire.cache.encoder import iter_buffers
+from kvwire.cache.writev import write_all
+from kvwire.tools.synth import synth_cache
 
 PROBE_BYTES = 64 << 10
 MALLOC_TUNABLE = "glibc.malloc.mmap_threshold=131072"
@@ -382,7 +381,7 @@ class Bench:
                 return path
             return setup
 
-        file_size = lambda p: os.path.getsize(p)  # noqa: E731
+        file_size = lambda p: os.path.getsize(p)
         self.row("kvwire_save", "kvwire.save (page cache, no fsync)",
                  measure(lambda p: kvwire.save(p, cache), setup=before_write(kvw), repeat=R),
                  nbytes=N, group="save", baseline="torch_save", notes=f"file {file_size(kvw)} B")
@@ -463,7 +462,7 @@ class Bench:
                                  check=kv_check),
                          nbytes=N, group="load", baseline="torch_load")
 
-        by_name = lambda d: [d[n] for n in names]  # noqa: E731
+        by_name = lambda d: [d[n] for n in names]
 
         def eager(loader, path, label):
             """``loader`` as timed in the load group: if it hands back tensors backed by a
@@ -592,7 +591,7 @@ def goals(bench, cache, arrays, ref, pairs):
               file=sys.stderr, flush=True)
 
     print("goals (paired: reference then kvwire, back to back)", file=sys.stderr)
-    save_check = lambda p: assert_eq(xxhash.xxh3_64_intdigest(p.read_bytes()), xxhash.xxh3_64_intdigest(flat))  # noqa: E731
+    save_check = lambda p: assert_eq(xxhash.xxh3_64_intdigest(p.read_bytes()), xxhash.xxh3_64_intdigest(flat))
     add("save_vs_write", "kvwire.save time / write(2) of the same bytes (goal <= 1.1)",
         paired(write2, lambda p: (kvwire.save(p, cache), p)[1], repeat=pairs, setup_ref=fresh(raw),
                setup_cand=fresh(kvw), check=save_check),
@@ -630,8 +629,8 @@ def goals(bench, cache, arrays, ref, pairs):
     for o in outs:  # caller buffers: allocated and touched once, like an engine's
         for x in o.values():
             x.view(np.uint8).fill(0)
-    out_check = lambda _: assert_eq(digest([o[c] for o in outs for c in COMPS]), ref)  # noqa: E731
-    hash_ref = lambda: xxhash.xxh3_64_intdigest(payload)  # noqa: E731
+    out_check = lambda _: assert_eq(digest([o[c] for o in outs for c in COMPS]), ref)
+    hash_ref = lambda: xxhash.xxh3_64_intdigest(payload)
 
     def layers_out(verify=True):
         with kvwire.open(kvw) as r:
@@ -718,8 +717,8 @@ def fmt_ms(ns):
 
 
 def targets(rows):
-    g = lambda k: rows[k]["median_ns"]  # noqa: E731
-    rate = lambda k: gbps(rows[k])  # noqa: E731
+    g = lambda k: rows[k]["median_ns"]
+    rate = lambda k: gbps(rows[k])
     out = []
 
     def t(name, ok, value):

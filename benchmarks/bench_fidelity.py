@@ -31,13 +31,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 
-from _common import model_eval_args  # noqa: E402 (benchmarks/_common.py)
+from _common import model_eval_args
+
 sys.path.insert(0, str(HERE / "fidelity"))
 
-import kvwire  # noqa: E402
-from kvwire.tools import fidelity as F  # noqa: E402
-from kvwire.format.codec_specs import CodecSpec  # noqa: E402
-from kvwire.codecs.policy import MODELS, CodecCost, sweep  # noqa: E402
+from kvwire.codecs.policy import MODELS, CodecCost, sweep
+from kvwire.format.codec_specs import CodecSpec
+from kvwire.tools import fidelity as F
 
 MODEL_DIR = HERE / "fidelity" / "model"
 RESULTS = HERE / "results"
@@ -63,9 +63,8 @@ GOALS = [("lossless >= 1.3x", "byteplane", 1.3, 1.0), ("int8 ~2x, top-1 >= 99.5%
 
 def load_models(model_dir: Path):
     import torch
-    from transformers import AutoModelForCausalLM
-
     import train
+    from transformers import AutoModelForCausalLM
 
     trained = F.load_hf_model(model_dir)
     torch.manual_seed(0)
@@ -218,7 +217,7 @@ def main(argv=None) -> int:
     pair = ["int4-g32", ("kivi4-r0", KIVI_R0[4])]
     adv = {name: (lambda r: r[0].mse("k") / r[1].mse("k"))(F.evaluate(cs, pair))
            for name, cs in (("trained", caches), ("random", random_caches))}
-    k1 = lambda c: np.abs(np.asarray(c.keys(1), np.float32)).mean(axis=1).ravel()  # noqa: E731
+    k1 = lambda c: np.abs(np.asarray(c.keys(1), np.float32)).mean(axis=1).ravel()
     pngs = plots(results, k1(caches[0]), k1(random_caches[0]), out)
 
     measured = [CodecCost(r.codec, round(r.bits_per_element, 2),

@@ -31,13 +31,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))  # harmless when kvwire is installed editable
 
-from _common import cpu_model  # noqa: E402 (benchmarks/_common.py)
+import torch
 
-import torch  # noqa: E402
-
-import kvwire  # noqa: E402
-from kvwire import layouts  # noqa: E402
-from kvwire.layouts import gather_slots, scatter_slots, slots_from_blocks  # noqa: E402
+import kvwire
+from _common import cpu_model
+from kvwire import layouts
+from kvwire.layouts import gather_slots, scatter_slots, slots_from_blocks
 
 # row -> (attention backend, its packing, CPU kernels' ISA); EngineBuffers binds all but the amx tiles
 CASES = {"channels": ("FLASH_ATTN", "channels", None), "tokens, vec": ("CPU_ATTN", "tokens", "vec"),

@@ -18,13 +18,13 @@ ratios are medians of per-round ratios. Writes benchmarks/results/load.md and lo
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +33,10 @@ import xxhash
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cache_shape_args, cpu_model  # noqa: E402 (benchmarks/_common.py)
-
-import kvwire  # noqa: E402
-from kvwire.codecs import native  # noqa: E402
-from kvwire.tools.synth import synth_cache  # noqa: E402
+import kvwire
+from _common import cache_shape_args, cpu_model
+from kvwire.codecs import native
+from kvwire.tools.synth import synth_cache
 
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "int8", "int4-g32", "kivi4", "kivi2"]
 GOAL_LOAD, GOAL_2, GOAL_2_CODECS = 0.7, 3.0, ("int8", "fp8", "byteplane")

@@ -39,17 +39,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cache_shape_args, cpu_model  # noqa: E402 (benchmarks/_common.py)
-
 import kvwire
+from _common import cache_shape_args, cpu_model
 from kvwire import CodecSpec
 from kvwire.codecs import decode_chunk, native, quant
 from kvwire.codecs.pipeline import lossy_range
 from kvwire.codecs.presets import PRESETS, resolve
-from kvwire.format.codec_specs import features_of
-from kvwire.format.kv_scales import required_minor
 from kvwire.format.architecture import Architecture, LayerSpec
+from kvwire.format.codec_specs import features_of
 from kvwire.format.header import Header
+from kvwire.format.kv_scales import required_minor
 from kvwire.tools.synth import synth_cache
 
 CODECS = ["zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",

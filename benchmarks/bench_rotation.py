@@ -30,14 +30,14 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import model_eval_args  # noqa: E402 (benchmarks/_common.py)
+from _common import model_eval_args
+
 sys.path.insert(0, str(HERE / "fidelity"))
 sys.path.insert(0, str(HERE))
 
-from kvwire.codecs.presets import PRESETS  # noqa: E402
-from kvwire.tools import fidelity as F  # noqa: E402
-
-import rotation_sources as S  # noqa: E402
+import rotation_sources as S
+from kvwire.codecs.presets import PRESETS
+from kvwire.tools import fidelity as F
 
 RESULTS = HERE / "results"
 MODEL_DIR = HERE / "fidelity" / "model"
@@ -82,9 +82,9 @@ def variants() -> list:
     rotation without / with the Gaussian codebook."""
     l4, l3, l2 = (PRESETS[f"hadamard-lloyd{b}"] for b in (4, 3, 2))
     h4, i4 = PRESETS["hadamard-int4-g32"], PRESETS["int4-g32"]
-    g = lambda s, n: replace(s, group_size=n)  # noqa: E731
-    z = lambda s: replace(s, lossless="zstd")  # noqa: E731
-    kv = lambda k, v: {"k": k, "v": v, "latent": k}  # noqa: E731
+    g = lambda s, n: replace(s, group_size=n)
+    z = lambda s: replace(s, lossless="zstd")
+    kv = lambda k, v: {"k": k, "v": v, "latent": k}
     return [("lloyd4-g32", g(l4, 32)), ("lloyd4-zstd", z(l4)), ("hadamard-int4-g64", g(h4, 64)),
             ("hadamard-int4-g64-zstd", z(g(h4, 64))), ("lloyd-k4v3", kv(l4, l3)), ("lloyd-k4v3-zstd", kv(z(l4), z(l3))),
             ("lloyd-k4v2", kv(l4, l2)), ("lloyd3-g32", g(l3, 32)), ("lloyd3-zstd", z(l3)),
@@ -131,7 +131,7 @@ def measure(src: S.Source, codecs: list, greedy: int, log) -> list:
             row.update(cos_mean=float(cos.mean()), cos_min=float(cos.min()))
         rows.append(row)
         log(f"{src.name:8s} {label:24s} {row['ratio']:.2f}x attn {row['attn_err']:.4f} "
-            f"{'top1 %.4f' % row['top1'] if 'top1' in row else 'cos %.6f' % row.get('cos_mean', 1.0)} "
+            f"{'top1 {:.4f}'.format(row['top1']) if 'top1' in row else 'cos {:.6f}'.format(row.get('cos_mean', 1.0))} "
             f"({time.perf_counter() - t0:.1f} s)")
     base = next((r for r in rows if r["codec"] == BASELINE), None)
     for r in rows:
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     t_start = time.time()
     codecs = (QUICK if a.quick else CODECS) + (variants() if a.explore else [])
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda s: print(s, file=sys.stderr, flush=True)
     import train
 
     _, held = train.corpus()

@@ -50,11 +50,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
 
-import kvwire  # noqa: E402
-from kvwire.format.container import PREAMBLE_SIZE, parse_preamble  # noqa: E402
-from kvwire.format.header import ModelIdentity  # noqa: E402
-from kvwire.store import KeySpace, KVStore, LocalStore  # noqa: E402
-from scaling_plots import plots  # noqa: E402
+import kvwire
+from kvwire.format.container import PREAMBLE_SIZE, parse_preamble
+from kvwire.format.header import ModelIdentity
+from kvwire.store import KeySpace, KVStore, LocalStore
+from scaling_plots import plots
 
 FP = bytes(range(32))
 BASE = np.random.default_rng(0).standard_normal(1 << 16).astype(ml_dtypes.bfloat16)

@@ -43,12 +43,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "tests"))
 
-import kvwire  # noqa: E402
-from kvwire.cache.encoder import iter_buffers  # noqa: E402
-from kvwire.format.header import ModelIdentity  # noqa: E402
-from kvwire.store import KeySpace, KVStore, open_store  # noqa: E402
-from redisfakes import make_certs  # noqa: E402
-from redisfix import RedisCluster, RedisServer  # noqa: E402
+import kvwire
+from kvwire.cache.encoder import iter_buffers
+from kvwire.format.header import ModelIdentity
+from kvwire.store import KeySpace, KVStore, open_store
+from redisfakes import make_certs
+from redisfix import RedisCluster, RedisServer
 
 FP = bytes(range(32))
 MiB = 1 << 20

@@ -24,12 +24,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cache_shape_args, cpu_model  # noqa: E402
-
-import kvwire  # noqa: E402
-from kvwire.format.header import ModelIdentity  # noqa: E402
-from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore  # noqa: E402
-from kvwire.store.auth import Keyring, digests_of  # noqa: E402
+import kvwire
+from _common import cache_shape_args, cpu_model
+from kvwire.format.header import ModelIdentity
+from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore
+from kvwire.store.auth import Keyring, digests_of
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "store_auth.md")
 

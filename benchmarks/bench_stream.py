@@ -37,11 +37,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from _common import cache_shape_args  # noqa: E402 (benchmarks/_common.py)
-
-import kvwire  # noqa: E402
-from kvwire import stream  # noqa: E402
-from kvwire.tools.synth import synth_cache  # noqa: E402
+import kvwire
+from _common import cache_shape_args
+from kvwire import stream
+from kvwire.tools.synth import synth_cache
 
 CTX = mp.get_context("fork")
 
@@ -156,7 +155,7 @@ def kvwire_receiver(*, buffer=None, verify=True, prefetch=2, link_gbps=None, wor
     def recv(source, t0):
         r = stream.Reader(source, buffer=buffer, verify=verify, prefetch=prefetch, link_gbps=link_gbps)
         first = None
-        for layer in r:
+        for _layer in r:
             if first is None:
                 first = time.perf_counter() - t0
             if work_s:

@@ -41,16 +41,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-import kvwire  # noqa: E402
-from kvwire import stream  # noqa: E402
+import kvwire
+from kvwire import stream
 
 BRIEF = (1.5, 8.0)
 
 
 def need_transformers():
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch  # noqa: F401 (only checks that it imports)
+        import transformers  # noqa: F401 (only checks that it imports)
     except ImportError as exc:
         print(f"bench_ttft: needs torch and transformers (pip install torch==2.13.0 --index-url "
               f"https://download.pytorch.org/whl/cpu && pip install -e '.[hf]'): {exc}", file=sys.stderr)

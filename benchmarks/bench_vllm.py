@@ -20,13 +20,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))
-from redisfix import RedisServer  # noqa: E402
+from redisfix import RedisServer
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 DRIVER = REPO / "tests" / "vllm_driver.py"

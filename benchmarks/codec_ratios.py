@@ -29,9 +29,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE / "fidelity"))
 
-import kvwire  # noqa: E402
-from kvwire.codecs import CodecGrowthWarning  # noqa: E402
-from kvwire.tools import fidelity as F  # noqa: E402
+import kvwire
+from kvwire.codecs import CodecGrowthWarning
+from kvwire.tools import fidelity as F
 
 CODECS = ["zstd", "byteplane", "fp8-e4m3", "int8", "int8-asym", "int4-g32", "int4-g32-zstd", "kivi4", "kivi2"]
 CONTEXTS = (64, 200, 512, 960)

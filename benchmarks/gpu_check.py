@@ -52,7 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))  # harmless when kvwire is installed editable
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def parse_args(argv=None):

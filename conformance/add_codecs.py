@@ -19,9 +19,8 @@ import codec_reference as ref
 import forge
 import kvwire
 from kvwire import CodecSpec
-from kvwire.codecs import quant
+from kvwire.codecs import PRESETS, quant
 from kvwire.format import registry as R
-from kvwire.codecs import PRESETS
 from kvwire.format.header import Architecture, Header, LayerSpec, TokenRange
 
 BIT = R.REQUIRED_FEATURES["codec_specs"]
@@ -58,7 +57,7 @@ def expected(data: bytes) -> kvwire.KVCache:
 def gen_codecs(g) -> None:
     """spec/codecs.md: codec specs (KVW-CSPEC), byte planes (KVW-BPZ), lossy bodies
     (KVW-LOSSY), fp8 (KVW-FP8) and int_affine (KVW-INT)."""
-    full = lambda h, d, **kw: LayerSpec("full_attention", h, d, d, **kw)  # noqa: E731
+    full = lambda h, d, **kw: LayerSpec("full_attention", h, d, d, **kw)
 
     def valid(name, cache, codec, rules, description, form="file"):
         data = kvwire.encode(cache, codec=codec, form=form)

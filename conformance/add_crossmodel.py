@@ -17,11 +17,15 @@ from kvwire import LayerMapEntry as E
 from kvwire import LayerSpec, PrefixChain, StateTensor
 from kvwire.format import registry as R
 from kvwire.format.header import Architecture, Header, Producer, TokenRange
+from kvwire.format.prefix import prefix_hashes, prefix_root
 from kvwire.model.identity import (
-    config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity, tokenizer_fingerprint,
+    config_fingerprint,
+    hf_layer_of,
+    layer_weights_fingerprints,
+    make_identity,
+    tokenizer_fingerprint,
     weights_fingerprint,
 )
-from kvwire.format.prefix import prefix_hashes, prefix_root
 
 PRODUCER = Producer("kvwire-conformance-generator", "1.0")
 STATE_BIT = R.REQUIRED_FEATURES["state_layers"]
@@ -54,7 +58,7 @@ def _toy_identity(arch: Architecture, dtype: str) -> kvwire.ModelIdentity:
 def gen_crossmodel(g) -> None:
     """Valid: state layers (file and stream, zstd), a prefix chain with scheme-1 fingerprints and
     its continuation, a layer map with aliases. Invalid: each new reader check."""
-    W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
+    W = lambda form="file", codec="raw": {"form": form, "codec": codec}
 
     # --- state layers (KVW-STATE-1, 2, 7)
     h = Header(Architecture((FULL, JAMBA, FULL)), token_count=7, dtype="f16", chunk_tokens=4, producer=PRODUCER,

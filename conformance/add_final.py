@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import kvwire
 import forge
+import kvwire
+from add_crossmodel import FULL, JAMBA, PRODUCER, STATE_BIT, _cache
 from kvwire import LayerSpec, PrefixChain, StateTensor
 from kvwire.format.codec_specs import CodecSpec
 from kvwire.format.header import Architecture, Header, TokenRange
 from kvwire.format.prefix import prefix_hashes, prefix_root
-
-from add_crossmodel import FULL, JAMBA, PRODUCER, STATE_BIT, _cache
 
 
 def gen_final(g) -> None:

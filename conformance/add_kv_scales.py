@@ -20,9 +20,9 @@ import numpy as np
 
 import forge
 import kvwire
+from kvwire import StateTensor
 from kvwire.cache.sparse import SparseKVCache
 from kvwire.format import registry as R
-from kvwire import StateTensor
 from kvwire.format.header import Architecture, Header, LayerSpec, Producer, TokenRange
 from kvwire.format.kv_scales import KV_SCALES_BIT
 
@@ -64,8 +64,8 @@ def _stream(*parts) -> bytes:
 
 def gen_kv_scales(g) -> None:
     """Section 5.10: KVW-SCALE-1..8, KVW-EVOL-12, and the 1.0 reader's view (KVW-EVOL-2, -3, -11)."""
-    W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
-    I = g.invalid  # noqa: E741
+    W = lambda form="file", codec="raw": {"form": form, "codec": codec}
+    I = g.invalid
 
     # --- valid -------------------------------------------------------------------------
     h1 = _scaled([FULL] * 3, SCALES)

@@ -70,7 +70,7 @@ def valid_maker(g, bit: int, minor: int, base_rules: list):
 
 def gen_rotation(g) -> None:
     """spec/codecs.md section 8: KVW-ROT-1..7."""
-    I = g.invalid  # noqa: E741
+    I = g.invalid
     valid = valid_maker(g, ROT_BIT, 2, RULES)
 
     # --- every rotated preset, one per layer, K with outlier channels
@@ -88,7 +88,7 @@ def gen_rotation(g) -> None:
                producer=PRODUCER)
     c = _cache(h, 7002)
     choice = {}
-    for i, d in enumerate(dims):
+    for i, _d in enumerate(dims):
         choice[i, "k"] = _rot(3, group_size=5, group_axis="tokens", scale_dtype="f16", rotation_seed=i)
         choice[i, "v"] = _rot(3, group_size=7, group_axis="channels", symmetric=True, scale_dtype="bf16",
                               rotation_seed=2 ** 64 - 1 - i)

@@ -15,9 +15,9 @@ import numpy as np
 
 import forge
 import kvwire
+from kvwire.cache.sparse import SparseKVCache, encode_positions
 from kvwire.format import registry as R
 from kvwire.format.header import Architecture, Header, LayerSpec, Producer, TokenRange
-from kvwire.cache.sparse import SparseKVCache, encode_positions
 from kvwire.format.sparse import SPARSE_BIT
 
 PRODUCER = Producer("kvwire-conformance-generator", "1.0")
@@ -55,7 +55,7 @@ def _with_header(data, h: Header) -> bytes:
 def gen_sparse(g) -> None:
     """Sparse caches (spec/sparse.md): header table SparseInfo (field 19), component
     POSITIONS (4), one head per chunk on per-(layer, head) grids."""
-    W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
+    W = lambda form="file", codec="raw": {"form": form, "codec": codec}
 
     # --- valid ---------------------------------------------------------------------------
     streaming = SparseKVCache.streaming(_dense(2, 2, 20, 5100), 2, 5)
@@ -216,7 +216,6 @@ def gen_sparse_codecs(g) -> None:
     KVW-SPARSE-15): one-head chunks, sink and residual tokens counted in each head's own
     retained list. Expected values: the literal decoder of tests/codec_reference.py."""
     import codec_reference as ref
-
     from kvwire import CodecSpec
 
     rng = np.random.default_rng(5301)

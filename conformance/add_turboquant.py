@@ -41,7 +41,7 @@ def _tq(bits: int, **kw) -> CodecSpec:
 
 def gen_turboquant(g) -> None:
     """spec/codecs.md section 9: KVW-TQ-1..5."""
-    I = g.invalid  # noqa: E741
+    I = g.invalid
     valid = valid_maker(g, TQ_BIT, 3, RULES)
 
     # --- the presets, one per layer: D = 128 (odd log2) and D = 64 (even)

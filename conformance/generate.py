@@ -44,21 +44,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the forge: tests/forge.py
 
-import numpy as np  # noqa: E402
-import zstandard  # noqa: E402
+import numpy as np
+import zstandard
 
-import forge  # noqa: E402
-import kvwire  # noqa: E402
-from kvwire.format import registry as R  # noqa: E402
-from kvwire.conformance import neutral as N  # noqa: E402
-from kvwire.format.container import (  # noqa: E402
-    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_frame, parse_preamble,
+import forge
+import kvwire
+from kvwire.conformance import neutral as N
+from kvwire.format import limits as L
+from kvwire.format import registry as R
+from kvwire.format.container import (
+    FRAME_SIZE,
+    PREAMBLE_SIZE,
+    RECORD_DTYPE,
+    build_frame,
+    parse_preamble,
 )
-from kvwire.format.errors import FormatError  # noqa: E402
-from kvwire.format.header import (  # noqa: E402
-    Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange, parse_header,
+from kvwire.format.errors import FormatError
+from kvwire.format.header import (
+    Architecture,
+    Header,
+    LayerMapEntry,
+    LayerSpec,
+    ModelIdentity,
+    Producer,
+    RopeParams,
+    TokenRange,
+    parse_header,
 )
-from kvwire.format import limits as L  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "conformance"))  # the add_<name>.py vector sets
 
@@ -331,7 +343,7 @@ def full(h, dk, dv=None, **kw) -> LayerSpec:
 
 
 def gen_valid(g: Generator) -> None:
-    W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
+    W = lambda form="file", codec="raw": {"form": form, "codec": codec}
 
     # --- every dtype (random bit patterns, K and V of different widths) ---
     for i, dtype in enumerate(R.DTYPES):
@@ -475,7 +487,7 @@ def gen_valid(g: Generator) -> None:
     # --- chunks in non-canonical order ---
     h = Header(Architecture((full(1, 4),) * 3), token_count=10, dtype="f16", chunk_tokens=4, producer=PRODUCER)
     c = cache_for(h, 800)
-    token_major = lambda cs: sorted(cs, key=lambda x: (x[2], x[0], x[1]))  # noqa: E731
+    token_major = lambda cs: sorted(cs, key=lambda x: (x[2], x[0], x[1]))
     g.valid("order-token-major-file", encode_in_order(c, token_major, form="file"), c, writer=W(),
             rules=["KVW-CHUNK-9", "KVW-FILE-8"],
             description="chunks in token-major order (all layers' first cells, then second cells, ...), file form")
@@ -578,7 +590,6 @@ def gen_valid(g: Generator) -> None:
 
 def header_with_unknown_fields(h: Header) -> bytes:
     """Header bytes of ``h`` plus fields with ids no v1.0 table defines."""
-    import flatbuffers  # noqa: F401
     import kvwire.format.header as H
     from kvwire.format.fbs import Architecture as fbArch
     from kvwire.format.fbs import Header as fbHeader
@@ -630,7 +641,7 @@ def zstd_dict_frame(raw: bytes) -> bytes:
 
 
 def gen_invalid(g: Generator) -> None:
-    I = g.invalid  # noqa: E741
+    I = g.invalid
     base_h = Header(Architecture((full(1, 4),) * 2), token_count=20, dtype="f16", chunk_tokens=8, producer=PRODUCER)
     BASE = cache_for(base_h, 2000)  # 2 layers x (k, v) x cells [0,8) [8,16) [16,20): 12 records, 64/64/32 bytes
     ZBASE = cache_for(base_h, 2001, compressible=True)
@@ -1153,8 +1164,8 @@ def gen_segments(g: Generator) -> None:
     g.valid("segments-single", stream(part(seq, 16, 20), codec="zstd"), expect(16, 20), segments=1,
             rules=["KVW-STREAM-3"], description="one full segment [16, 20) with zstd bodies")
 
-    I = g.invalid  # noqa: E741
-    seg = lambda *a, **k: dict(segments=True, **k)  # noqa: E731
+    I = g.invalid
+    seg = lambda *a, **k: dict(segments=True, **k)
     I("segments-gap", stream(part(seq, 0, 4), part(seq, 5, 8)), rule="KVW-STREAM-6", code="SEGMENT_ORDER",
       description="[0, 4) then [5, 8): position 4 missing", **seg())
     I("segments-backwards", stream(part(seq, 4, 8), part(seq, 0, 4)), rule="KVW-STREAM-6", code="SEGMENT_ORDER",
@@ -1222,7 +1233,7 @@ def gen_engine_layout(g: Generator) -> None:
     from kvwire import layouts
     from kvwire.format.header import EngineLayout
 
-    W = lambda form="file", codec="raw": {"form": form, "codec": codec}  # noqa: E731
+    W = lambda form="file", codec="raw": {"form": form, "codec": codec}
 
     # --- vLLM FlashAttention, HND stride order: (2, blocks, block_size, H, C) viewed on (2, blocks, H, block_size, C)
     rng = np.random.default_rng(4100)
@@ -1329,18 +1340,18 @@ class pytest_raises:  # a tiny stand-in for pytest.raises (the generator does no
         return True
 
 
+import add_clarifications  # the 1.4 text clarifications, spec Appendix D
 import add_codecs  # conformance/, next to this script
-import add_sparse  # spec/sparse.md
 import add_crossmodel  # spec/crossmodel.md
 import add_final  # spec 1.0 Final corrections, issue 13
-import add_parse_budget  # KVW-LIM-7
-import add_lossy  # spec/codecs.md KVW-LOSSY-5/6
-import add_stream_hostile  # KVW-LIM-8
 import add_kv_scales  # revision 1.1: section 5.10, feature kv_scales
+import add_lossy  # spec/codecs.md KVW-LOSSY-5/6
+import add_parse_budget  # KVW-LIM-7
 import add_rotation  # revision 1.2: spec/codecs.md section 8, feature rotation
+import add_sparse  # spec/sparse.md
+import add_stream_hostile  # KVW-LIM-8
 import add_turboquant  # revision 1.3: spec/codecs.md section 9, feature turboquant
 import add_zstd_checksums  # revision 1.4: zstd content checksums, KVW-CODEC-4/5
-import add_clarifications  # the 1.4 text clarifications, spec Appendix D
 
 ADDITIONS = {
     "final_1_0": add_final.ADDITION,

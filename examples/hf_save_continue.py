@@ -42,10 +42,11 @@ def greedy(model, past, first_token: int, n: int) -> list[int]:
 
 
 def produce(model_dir: str, path: str, new_tokens: int) -> dict:
-    import kvwire
     import torch
-    from kvwire.adapters import hf
     from transformers import AutoModelForCausalLM
+
+    import kvwire
+    from kvwire.adapters import hf
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompt = list((REPO / "python" / "kvwire" / "cache" / "files.py").read_bytes()[:400])  # byte tokens
@@ -60,10 +61,11 @@ def produce(model_dir: str, path: str, new_tokens: int) -> dict:
 
 def receive(model_dir: str, path: str, first: int, new_tokens: int, other_seed: int | None) -> dict:
     """The receiving process: header first, verdict, then load and continue."""
-    import kvwire
     import torch
-    from kvwire.adapters import hf
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kvwire
+    from kvwire.adapters import hf
 
     with open(path, "rb") as f:
         header = kvwire.probe(f.read(65536))                            # no tensor read

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 
-import kvwire
 import numpy as np
+
+import kvwire
 
 
 def build_header(layers: int, kv_heads: int, head_dim: int, tokens: int, chunk_tokens: int) -> kvwire.Header:

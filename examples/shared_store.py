@@ -28,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 
-import kvwire
 import numpy as np
+
+import kvwire
 from kvwire.model.identity import make_identity
 from kvwire.store import KeySpace, KVStore, open_store
 

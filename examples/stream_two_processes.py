@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 
-import kvwire
 import numpy as np
+
+import kvwire
 from kvwire import stream
 
 

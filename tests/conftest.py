@@ -16,9 +16,8 @@ for _d in sorted(os.scandir(os.path.dirname(__file__)), key=lambda e: e.name):
     if _d.is_dir() and not _d.name.startswith((".", "_")):
         sys.path.append(_d.path)
 
-import forge  # noqa: E402
-
-import kvwire  # noqa: E402
+import forge
+import kvwire
 
 # Hypothesis: modest example counts and no deadline (CI machines with 2 cores vary a lot).
 settings.register_profile("kvwire", max_examples=25, deadline=None,
@@ -151,5 +150,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("native"))  # one make -C c at a time (pytest -n, --dist loadgroup)
         if item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.xdist_group("vllm"))  # one engine at a time: each wants GiBs and both cores
-        if names & REDIS_FIXTURES or (folder == "store" and "redis" in path.name):
+        module = getattr(item, "module", None)
+        uses = {getattr(v, "__module__", None) for v in vars(module).values()} if module else set()
+        if names & REDIS_FIXTURES or uses & {"redisfix", "redisfakes"}:  # starts servers or fake peers itself
             item.add_marker(pytest.mark.redis)

@@ -32,8 +32,21 @@ import pytest
 import kvwire
 from kvwire.format import registry as R
 from kvwire.format.container import (
-    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_SIZE, TRAILER_SIZE, build_end_frame, build_frame, build_index,
-    build_preamble, build_trailer, check32, header_bytes, next_frame_offset, parse_preamble, xxh3,
+    FRAME_SIZE,
+    PREAMBLE_SIZE,
+    RECORD_DTYPE,
+    RECORD_SIZE,
+    TRAILER_SIZE,
+    build_end_frame,
+    build_frame,
+    build_index,
+    build_preamble,
+    build_trailer,
+    check32,
+    header_bytes,
+    next_frame_offset,
+    parse_preamble,
+    xxh3,
 )
 from kvwire.format.fbs import Architecture as fbArch
 from kvwire.format.fbs import ChunkIndex as fbIndex
@@ -173,7 +186,7 @@ class Parts:
     alignment: int
     form: str
 
-    def copy(self) -> "Parts":
+    def copy(self) -> Parts:
         return Parts(self.header, self.records.copy(), list(self.bodies), self.alignment, self.form)
 
 

@@ -141,7 +141,7 @@ class FakeServer(SilentServer):
         while not self._stop:
             try:
                 data = conn.recv(1 << 16)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 

@@ -119,12 +119,10 @@ def run_atheris(seconds: float, corpus: Path, findings: Path, *, max_len: int = 
 
 def run_hypothesis(seconds: float, findings: Path, *, log=print) -> dict:
     """Run the state machine in batches until ``seconds`` are spent."""
+    import harness
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
-
     from statemachine import ContainerMutations
-
-    import harness
 
     stats = {"examples": 0, "steps_per_example": 20, "seconds": 0.0, "findings": []}
     t0 = time.monotonic()
@@ -154,11 +152,11 @@ def run_hypothesis(seconds: float, findings: Path, *, log=print) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def promote(finding: Path, name: str, *, version_dir: Path) -> dict:
+    import harness
+
     import kvwire
     from kvwire.conformance import neutral as N
     from kvwire.format.errors import FormatError
-
-    import harness
 
     data = finding.read_bytes()
     harness.check(data)  # the bug must be fixed first: this raises while it still reproduces
@@ -209,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the campaign figures here")
     a = ap.parse_args(argv)
     try:
-        import atheris  # noqa: F401
+        import atheris  # noqa: F401 (only checks that it imports)
 
         have_atheris = True
     except ImportError:

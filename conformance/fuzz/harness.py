@@ -158,7 +158,13 @@ def reseal(data: bytes) -> bytes:
 
 def _reseal(b: bytearray) -> None:
     from kvwire.format.container import (
-        END_MARKER, CHUNK_MARKER, MAGIC, TRAILER_MAGIC, check32, next_frame_offset, xxh3,
+        CHUNK_MARKER,
+        END_MARKER,
+        MAGIC,
+        TRAILER_MAGIC,
+        check32,
+        next_frame_offset,
+        xxh3,
     )
 
     n = len(b)

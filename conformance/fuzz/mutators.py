@@ -14,7 +14,6 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-
 from harness import reseal
 
 RECORD_FIELDS = {  # name -> (offset in the record, struct format)

@@ -16,10 +16,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+from harness import check, reseal
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
-from harness import check, reseal
 from mutators import INTERESTING, RECORD_FIELDS, WHERE, edit_record, frame_positions
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"

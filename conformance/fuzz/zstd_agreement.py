@@ -40,12 +40,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
 
-import forge  # noqa: E402
-import kvwire  # noqa: E402
-from kvwire.codecs import decode_chunk, native  # noqa: E402
-from kvwire.format import registry as R  # noqa: E402
-from kvwire.format.errors import FormatError  # noqa: E402
-from kvwire.format.header import Architecture, Header, LayerSpec  # noqa: E402
+import forge
+import kvwire
+from kvwire.codecs import decode_chunk, native
+from kvwire.format import registry as R
+from kvwire.format.errors import FormatError
+from kvwire.format.header import Architecture, Header, LayerSpec
 
 OUTCOMES = ("both_reject", "both_same", "both_differ", "numpy_only", "native_only")
 
@@ -111,7 +111,7 @@ def sources(minor: int | None = None) -> list[Source]:
     """The containers whose bodies are mutated: raw, zstd, byteplane_zstd (bf16, f16, f32) and
     int_affine with a zstd stage, compressible and noisy data, small and 64 KiB chunks."""
     out = []
-    full = lambda h, d: LayerSpec("full_attention", h, d, d)  # noqa: E731
+    full = lambda h, d: LayerSpec("full_attention", h, d, d)
     for name, dtype, heads, dim, tokens, chunk, codec, compressible in (
             ("raw-f16", "f16", 2, 16, 20, 16, "raw", False),
             ("zstd-f16", "f16", 2, 64, 300, 256, "zstd", False),

@@ -35,31 +35,47 @@ note of file systems that refuse to link unnamed temporary files), so it can be 
 under another name.
 """
 
-from .cache.kvcache import KVCache
+from . import layouts, stream
 from .cache.decoder import ChunkEvent, EndEvent, HeaderEvent, StreamDecoder
-from .format.errors import (
-    ChecksumError, CodecError, Error, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
-    SchemaError, TruncatedError, VersionError,
-)
-from . import layouts
-from .format.header import (
-    Architecture, EngineLayout, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
-)
-from .format.codec_specs import CodecSpec
-from .format.kv_scales import KVScale  # 1.1: per-layer fp8 scales (Header.kv_scales, spec 5.10)
-from .cache.files import load, open
-from .cache.reader import Reader, probe
-from .format.crossmodel import PrefixChain, StateTensor
-from .model.compat import LocalModel, Verdict, check_compatible
-from .format.prefix import prefix_hashes
-from .model.prefix import PrefixIndex, covered_tokens
-from .cache.sparse import SparseInfo, SparseKVCache
-from .version import __version__
 from .cache.encoder import Encoder, iter_buffers
-from .cache.files import encode, load_tensors, save, save_tensors  # typed keywords, file objects
-from . import stream
-from .model import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
+from .cache.files import encode, load, load_tensors, open, save, save_tensors  # typed keywords, file objects
+from .cache.kvcache import KVCache
+from .cache.reader import Reader, probe
+from .cache.sparse import SparseInfo, SparseKVCache
 from .codecs.policy import Plan, plan  # after the submodule import, kvwire.plan is the function
+from .format.codec_specs import CodecSpec
+from .format.crossmodel import PrefixChain, StateTensor
+from .format.errors import (
+    ChecksumError,
+    CodecError,
+    Error,
+    FeatureError,
+    FormatError,
+    HeaderError,
+    LayoutError,
+    LimitError,
+    MagicError,
+    SchemaError,
+    TruncatedError,
+    VersionError,
+)
+from .format.header import (
+    Architecture,
+    EngineLayout,
+    Header,
+    LayerMapEntry,
+    LayerSpec,
+    ModelIdentity,
+    Producer,
+    RopeParams,
+    TokenRange,
+)
+from .format.kv_scales import KVScale  # 1.1: per-layer fp8 scales (Header.kv_scales, spec 5.10)
+from .format.prefix import prefix_hashes
+from .model import rope  # kvwire.rope.reposition / shift (spec/crossmodel.md, KVW-ROPE-*)
+from .model.compat import LocalModel, Verdict, check_compatible
+from .model.prefix import PrefixIndex, covered_tokens
+from .version import __version__
 
 __all__ = [
     "Architecture", "ChecksumError", "CodecSpec", "ChunkEvent", "EndEvent", "HeaderEvent", "StreamDecoder", "CodecError", "Encoder", "Error", "EngineLayout", "FeatureError",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 import kvwire
@@ -55,6 +56,7 @@ def _assert_same_cache(a, b):
         assert x.get_seq_length() == y.get_seq_length(), i
 
 
+@pytest.mark.slow
 def test_kvwire_imports_transformers_only_when_an_adapter_function_runs():
     import subprocess
     import sys
@@ -65,6 +67,7 @@ def test_kvwire_imports_transformers_only_when_an_adapter_function_runs():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_zoo_is_deterministic_and_offline():
     assert len(zoo.TINY_CONFIGS) == 14
     a, b, c = zoo.build("llama", seed=3), zoo.build("llama", seed=3), zoo.build("llama", seed=4)

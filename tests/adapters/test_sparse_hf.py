@@ -9,13 +9,13 @@ import pytest
 
 import forge
 import kvwire
-from kvwire.format.header import Architecture, Header, LayerSpec
 from kvwire.cache.sparse import SparseKVCache
+from kvwire.format.header import Architecture, Header, LayerSpec
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvwire.adapters import hf, hf_sparse, zoo  # noqa: E402
+from kvwire.adapters import hf, hf_sparse, zoo
 
 N = 24
 

@@ -169,7 +169,7 @@ def _matrix(md: str) -> dict:
             rows.append(ln)
     if not rows:
         return {}
-    split = lambda row: [_unesc(c) for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]  # noqa: E731
+    split = lambda row: [_unesc(c) for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
     head = split(rows[0])[1:]
     out = {}
     for row in rows[1:]:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_native_codecs import LIB, both, values
+
 from kvwire import CodecSpec
 from kvwire.codecs import native, quant, rotation
 from kvwire.codecs.pipeline import decode_chunk, lossy_range
@@ -26,8 +28,6 @@ from kvwire.format import registry as R
 from kvwire.format.architecture import Architecture, LayerSpec
 from kvwire.format.errors import FormatError
 from kvwire.format.header import Header
-
-from test_native_codecs import LIB, both, values
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])
@@ -232,7 +232,7 @@ def test_header_rules(lib):
     fields 11-13 in a container without bit 4 (not read: a 1.0 spec)."""
     arch = Architecture((LayerSpec("full_attention", 1, 64, 64),))
     bit0, bit4 = R.REQUIRED_FEATURES["codec_specs"], R.REQUIRED_FEATURES["rotation"]
-    ia = lambda **k: CodecSpec("int_affine", **k)  # noqa: E731
+    ia = lambda **k: CodecSpec("int_affine", **k)
     cases = [
         ((ia(bits=3),), bit0 | bit4, None),
         ((ia(bits=3),), bit0, "CODEC_SPEC_INVALID"),

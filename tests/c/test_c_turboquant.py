@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import kvwire
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_c_rotation import check_header_cases
+from test_native_codecs import LIB, both, values
+
+import kvwire
 from kvwire import CodecSpec
 from kvwire.codecs import PRESETS, native, quant
 from kvwire.codecs.pipeline import decode_chunk, lossy_range
@@ -27,9 +30,6 @@ from kvwire.format import codec_specs as CS
 from kvwire.format import registry as R
 from kvwire.format.architecture import Architecture, LayerSpec
 from kvwire.format.header import Header
-
-from test_c_rotation import check_header_cases
-from test_native_codecs import LIB, both, values
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.function_scoped_fixture])

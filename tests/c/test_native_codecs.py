@@ -14,13 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dualpath
-import kvwire
 import numpy as np
 import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import dualpath
+import kvwire
 from kvwire import CodecSpec
 from kvwire.codecs import byteplane, native, quant
 from kvwire.codecs.pipeline import decode_chunk, lossy_range
@@ -251,7 +252,7 @@ def test_decode_chunks_two_threads_equal_one(lib):
         two = native.decode_chunks(h, [(r, s, np.empty(n, np.uint8)) for r, s, n in items], threads=2)
         ref = []
         native.disable()
-        for c, (r, s, n) in enumerate(items):
+        for c, (_r, s, n) in enumerate(items):
             ref.append(bytes(decode_chunk(h, "int_affine", 1, s, n, (heads, T, dim), 0, c * T)))
     finally:
         native.disable()

@@ -6,16 +6,16 @@ corrupted body whichever thread meets it, and clear errors for a bad ``threads``
 
 from __future__ import annotations
 
-import kvwire
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import kvwire
+from forge import random_tensor, small_cache, xor_byte
 from kvwire.cache import assemble
 from kvwire.codecs import native
 from kvwire.format.errors import ChecksumError
-
-from forge import random_tensor, small_cache, xor_byte
 
 CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int8-asym", "int4-g32", "int4-g32-zstd",
           "kivi4", "kivi2"]

@@ -15,13 +15,14 @@ import io
 import os
 import threading
 
-import forge
-import kvwire
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import forge
+import kvwire
 from kvwire.cache import encoder, files, writev
 from kvwire.format.container import FRAME_SIZE
 

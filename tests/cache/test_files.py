@@ -94,6 +94,7 @@ def test_default_maps_private_files_and_copies_files_others_can_write(tmp_path):
             assert not isinstance(r.buffer, mmap.mmap)
 
 
+@pytest.mark.slow
 @posix
 def test_truncation_under_a_mapped_view_is_sigbus_as_documented(tmp_path):
     """The documented hazard of mmap=True (and of the default for private files): the guard
@@ -258,6 +259,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 @posix
 @pytest.mark.parametrize("tmpfile", [True, False], ids=["o_tmpfile", "named-temp"])
 def test_save_killed_at_random_moments_leaves_old_or_new_and_no_temp(tmp_path, tmpfile):

@@ -11,7 +11,8 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvwire
 from kvwire.codecs import CodecGrowthWarning

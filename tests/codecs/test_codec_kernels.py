@@ -16,11 +16,12 @@ import types
 from dataclasses import replace
 from pathlib import Path
 
-import codec_reference as ref
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import codec_reference as ref
 from kvwire import CodecSpec
 from kvwire.codecs import kernels, quant
 from kvwire.format import registry as R

@@ -15,9 +15,9 @@ import codec_reference as ref
 import forge
 import kvwire
 from kvwire import CodecSpec, codecs
+from kvwire.conformance import neutral as N
 from kvwire.format import registry as R
 from kvwire.format.codec_specs import check_spec_refs, spec_from_json, spec_to_json
-from kvwire.conformance import neutral as N
 from kvwire.format.header import Architecture, Header, LayerSpec, parse_header
 
 BIT = R.REQUIRED_FEATURES["codec_specs"]
@@ -44,6 +44,7 @@ def _same(a, b) -> bool:
 # Round trips through every reader path
 # ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(codecs.PRESETS))
 def test_presets_decode_identically_on_every_path(preset):
     """KVW-CSPEC-9/10, KVW-LOSSY-4: Reader.load, Reader.chunk, StreamDecoder (feed and
@@ -499,7 +500,7 @@ def test_lossy5_chunks_the_spec_cannot_carry_are_stored_losslessly(dtype, preset
     for comp in ("k", "v"):
         assert got.layers[0][comp][:, 32:64].tobytes() == cache.layers[0][comp][:, 32:64].tobytes()
         assert np.isfinite(got.layers[0][comp].astype(np.float32)).all()
-    for layer, comp, t0, codec, spec in recs:
+    for _layer, comp, t0, codec, spec in recs:
         if t0 == 32:
             assert codec in ("raw", "zstd") and spec == 0, (comp, codec)
         elif t0 < 64:  # kivi keeps the last 128 tokens: quantized chunks are t0 < 64

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import codec_reference as ref
 from kvwire import CodecSpec
 from kvwire.codecs import byteplane, quant
-from kvwire.format import registry as R
 from kvwire.codecs.pipeline import _lossless_stage
+from kvwire.format import registry as R
 from kvwire.format.errors import CodecError
 
 CCTX = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False)
@@ -292,9 +292,9 @@ def test_fp8_tables_match_the_reference_formula():
 # Faithful encoding at the extremes (KVW-LOSSY-5/6)
 # ---------------------------------------------------------------------------------------
 
-from kvwire.codecs import PRESETS  # noqa: E402
-from kvwire.codecs.presets import resolve  # noqa: E402
-from kvwire.codecs.scales import LARGEST, PRECISION, SMALLEST  # noqa: E402
+from kvwire.codecs import PRESETS
+from kvwire.codecs.presets import resolve
+from kvwire.codecs.scales import LARGEST, PRECISION, SMALLEST
 
 LOSSY_PRESETS = sorted(n for n in PRESETS if isinstance(resolve(PRESETS[n], "k"), CodecSpec)
                        and resolve(PRESETS[n], "k").lossy

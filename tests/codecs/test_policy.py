@@ -7,11 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvwire
-from kvwire.tools.cli import main
 from kvwire.codecs.policy import (
-    DEFAULT_CODECS, MODELS, CodecCost, ModelCost, parse_bandwidth, parse_codec, parse_model, pipelined_seconds,
+    DEFAULT_CODECS,
+    MODELS,
+    CodecCost,
+    ModelCost,
+    parse_bandwidth,
+    parse_codec,
+    parse_model,
+    pipelined_seconds,
     recompute_seconds,
 )
+from kvwire.tools.cli import main
 
 LLAMA = MODELS["llama-3-8b"]
 RAW = CodecCost("raw", 16.0, math.inf, True)

@@ -3,14 +3,16 @@ torch, and refuses the bodies numpy refuses with the same rule."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvwire.codecs import quant, torch_dequant as TD  # noqa: E402
-from kvwire.format import registry as R  # noqa: E402
-from kvwire.format.codec_specs import CodecSpec  # noqa: E402
-from kvwire.format.errors import CodecError  # noqa: E402
+from kvwire.codecs import quant
+from kvwire.codecs import torch_dequant as TD
+from kvwire.format import registry as R
+from kvwire.format.codec_specs import CodecSpec
+from kvwire.format.errors import CodecError
 
 TDT = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 IDT = {2: np.uint16, 4: np.uint32}
@@ -107,12 +109,12 @@ def test_padding_bits_refused():
 def test_load_to_device_lossy(codec):
     """load_to_device (SimulatedStream, CPU device) of a lossy container equals the host load
     bit for bit, and the ring staged each lossy chunk as its lossy body (not decoded bytes)."""
+    import forge
     import kvwire
     from kvwire.cache.cuda import SimulatedStream, StagingRing
     from kvwire.cache.device_load import load_to_device
     from kvwire.codecs.pipeline import lossy_range
     from kvwire.tools.synth import synth_cache
-    import forge
     cache = synth_cache(2, 2, 64, 512, chunk_tokens=128, seed=3)  # Gaussian bf16: every chunk faithful
     data = kvwire.encode(cache, codec=codec)
     with SimulatedStream(delay=0.0) as s, kvwire.open(data) as r:
@@ -143,11 +145,11 @@ def test_load_to_device_of_revision_1_2_and_1_3_specs_decodes_on_the_host(codec)
     """Rotated, codebook and 3-bit specs have no torch kernel: load_to_device decodes them on
     the host (the ring stages decoded bytes) and the result equals the host load bit for bit
     (the device kernel would misread them)."""
+    import forge
     import kvwire
     from kvwire.cache.cuda import SimulatedStream, StagingRing
     from kvwire.cache.device_load import load_to_device
     from kvwire.tools.synth import synth_cache
-    import forge
     data = kvwire.encode(synth_cache(2, 2, 64, 300, chunk_tokens=128, seed=4), codec=codec)
     assert kvwire.probe(data).format_minor >= 2
     with SimulatedStream(delay=0.0) as s, kvwire.open(data) as r:

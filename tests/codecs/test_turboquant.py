@@ -42,6 +42,7 @@ def _cache(dim=64, heads=2, tokens=70, seed=0, dtype="bf16", layers=2):
     return kvwire.KVCache.from_tensors(ks, vs, chunk_tokens=32)
 
 
+@pytest.mark.slow
 def test_tables_are_vllms_solve_lloyd_max():
     """KVW-TQ-4: vLLM 0.32's centroids for every power of two 16..1024 are L times a power of
     two, bit for bit (computed by vLLM itself, in its venv)."""

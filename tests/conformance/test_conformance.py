@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 
 import kvwire
-from kvwire.tools.cli import main
+from kvwire.cache.files import open as kv_open
 from kvwire.conformance import compare as C
 from kvwire.conformance import digests as D
 from kvwire.conformance import neutral as N
 from kvwire.conformance.drivers import CommandImpl, default_impl_argv
 from kvwire.conformance.runner import Runner
 from kvwire.conformance.vectors import find_vectors_root, load_vector_set, load_vector_sets
-from kvwire.cache.files import open as kv_open
+from kvwire.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "conformance" / "vectors"
@@ -152,6 +152,7 @@ def test_manifest_content():
     assert size < 8 << 20, f"vectors take {size} bytes"
 
 
+@pytest.mark.slow
 def test_generator_refuses_to_overwrite_a_version_folder(tmp_path):
     (tmp_path / "1.0").mkdir()
     p = subprocess.run([sys.executable, str(ROOT / "conformance" / "generate.py"), "--out", str(tmp_path)],
@@ -160,6 +161,7 @@ def test_generator_refuses_to_overwrite_a_version_folder(tmp_path):
     assert list((tmp_path / "1.0").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_generator_adds_a_set_only_once_and_never_replaces_a_file(tmp_path):
     gen = str(ROOT / "conformance" / "generate.py")
     p = subprocess.run([sys.executable, gen, "--add", "engine_layout"], capture_output=True, text=True)
@@ -214,6 +216,7 @@ def test_find_vectors_root():
 # The reference codec passes 100%
 # =======================================================================================
 
+@pytest.mark.slow
 def test_kvwire_conformance_run_passes_for_the_reference_codec(tmp_path, capsys):
     junit, md = tmp_path / "r.xml", tmp_path / "r.md"
     assert main(["conformance", "run", "-q", "--junit", str(junit), "--markdown", str(md)]) == 0
@@ -234,6 +237,7 @@ def test_kvwire_conformance_run_passes_for_the_reference_codec(tmp_path, capsys)
     assert "**Result: PASS**" in text and "## Producer x consumer matrix" in text
 
 
+@pytest.mark.slow
 def test_per_command_processes_without_serve(tmp_path):
     """The plain protocol (one process per command), on a sample of vectors of each kind."""
     impl = CommandImpl(default_impl_argv(), use_serve=False)
@@ -254,6 +258,7 @@ def impl_cmd(*args, **kw):
     return subprocess.run(default_impl_argv() + [str(a) for a in args], capture_output=True, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_impl_info_validate_decode(tmp_path):
     info = json.loads(impl_cmd("info").stdout)
     assert info["protocol"] == 1 and {"decode", "encode", "validate", "serve"} <= set(info["commands"])
@@ -271,6 +276,7 @@ def test_impl_info_validate_decode(tmp_path):
     assert impl_cmd("frobnicate").returncode == 2
 
 
+@pytest.mark.slow
 def test_impl_serve_answers_like_separate_processes(tmp_path):
     v = VECTORS / "1.0"
     reqs = [["validate", v / "invalid" / "layout2-padding-after-header.kvw"],
@@ -286,6 +292,7 @@ def test_impl_serve_answers_like_separate_processes(tmp_path):
     assert answers[3]["exit"] == 1 and answers[3]["stdout"] == "" and "FileNotFoundError" in answers[3]["stderr"]
 
 
+@pytest.mark.slow
 def test_encode_spec_round_trip(tmp_path):
     """``encode`` of a writer case reproduces the case's header and tensors."""
     v = VECTORS / "1.0" / "valid"
@@ -409,6 +416,7 @@ def failing(run, level="reader", impl=None):
             and (impl is None or c.impl == impl)}
 
 
+@pytest.mark.slow
 def test_a_reader_that_skips_checksums_is_caught(broken):
     run = run_impls([broken("skip-checksum")], ["*/csum1-*", "*/valid/zstd-file", "*/codec2-*"], levels=("reader",))
     assert not run.ok
@@ -418,6 +426,7 @@ def test_a_reader_that_skips_checksums_is_caught(broken):
     assert run.level_verdict(run.impls[0], "reader") == "FAIL"
 
 
+@pytest.mark.slow
 def test_a_reader_that_misreads_the_alignment_is_caught(broken):
     run = run_impls([broken("alignment-64")], ["*/align-4096-*", "*/valid/stream-raw"])
     assert failing(run) == {"1.0/valid/align-4096-file", "1.0/valid/align-4096-stream-zstd"}
@@ -427,12 +436,14 @@ def test_a_reader_that_misreads_the_alignment_is_caught(broken):
     assert run.matrix[("reference", run.impls[0])] == [1, 3]
 
 
+@pytest.mark.slow
 def test_a_reader_that_skips_padding_is_caught(broken):
     run = run_impls([broken("skip-padding")], ["*/layout2-*"], levels=("reader",))
     assert failing(run) == {"1.0/invalid/layout2-padding-after-header", "1.0/invalid/layout2-padding-between-bodies",
                             "1.0/invalid/layout2-padding-before-end"}  # index padding is checked elsewhere
 
 
+@pytest.mark.slow
 def test_wrong_error_codes_fail_or_warn(broken):
     """KVW-ERR-1: a rejection with a code the violated rule does not prescribe fails the vector."""
     sel = ["*/pre1-bad-magic", "*/hdr3-root-offset", "*/valid/dtype-f16"]
@@ -444,6 +455,7 @@ def test_wrong_error_codes_fail_or_warn(broken):
     assert lenient.ok and [c.status for c in lenient.cases if c.case.endswith("pre1-bad-magic")] == ["warn"]
 
 
+@pytest.mark.slow
 def test_crashes_and_hangs_are_errors(broken):
     run = run_impls([broken("crash")], ["*/csum1-body-raw", "*/valid/zstd-file"], levels=("reader",))
     (bad,) = [c for c in run.cases if c.status == "error"]
@@ -457,6 +469,7 @@ def test_crashes_and_hangs_are_errors(broken):
     assert "hang" in next(c.message for c in run.cases if c.status == "error")
 
 
+@pytest.mark.slow
 def test_a_broken_writer_is_caught_at_the_writer_level_and_in_the_matrix(broken):
     bad = broken("bad-writer")
     run = run_impls([CommandImpl(default_impl_argv()), bad], ["*/valid/dtype-bf16", "*/valid/layer-map"],
@@ -472,6 +485,7 @@ def test_a_broken_writer_is_caught_at_the_writer_level_and_in_the_matrix(broken)
     assert len(run.matrix) == 9
 
 
+@pytest.mark.slow
 def test_a_reader_only_implementation_is_not_tested_at_the_writer_levels(broken):
     run = run_impls([broken("reader-only")], ["*/valid/single-token", "*/pre2-*"])
     label = run.impls[0]
@@ -481,6 +495,7 @@ def test_a_reader_only_implementation_is_not_tested_at_the_writer_levels(broken)
     assert run.level_verdict(label, "roundtrip") == "pass (partial)"  # it reads what the reference writes
 
 
+@pytest.mark.slow
 def test_modified_vector_files_are_reported(tmp_path):
     import shutil
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from kvwire import Architecture, Header, LayerMapEntry, LayerSpec, TokenRange
-from kvwire.tools.cli import main
 from kvwire.conformance import crossmodel_checks as C
 from kvwire.conformance import crossmodel_receiver as XR
 from kvwire.conformance.results import FAIL, PASS
+from kvwire.tools.cli import main
 
 SLIDING = {"mistral", "gemma2", "gemma3_text", "gpt_oss", "gemma3n_text"}
 SHARED = {"gemma3n_text"}
@@ -48,6 +48,7 @@ def _table(text: str) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_every_model_type_continues_bit_identically_in_a_fresh_process(suite):
     rc, text, _ = suite
     assert rc == 0, text
@@ -194,6 +195,7 @@ def test_receiver_errors_fail_their_cells_not_the_suite(tmp_path):
         assert cells[check][0] == FAIL and "reported nothing" in cells[check][1]
 
 
+@pytest.mark.slow
 def test_receiver_process_failures_are_reported(tmp_path):
     (tmp_path / "jobs.json").write_text("{not json")
     res, why = XR.run_worker(tmp_path, timeout=60)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECONDS = float(os.environ.get("KVWIRE_FUZZ_SECONDS", "60"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SECONDS <= 0, reason="KVWIRE_FUZZ_SECONDS=0")
 def test_bounded_fuzz_campaign(tmp_path):
     stats_path = tmp_path / "stats.json"

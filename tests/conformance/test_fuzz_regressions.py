@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "conformance" / "fuzz"
 sys.path.insert(0, str(FUZZ))
 
-import campaign  # noqa: E402
-import harness  # noqa: E402
+import campaign
+import harness
 
 
 def regression_vectors():
@@ -36,6 +36,7 @@ def test_regression_vectors_keep_the_contract_and_their_outcome():
         assert outcome == ("ok" if entry["kind"] == "valid" else entry["expected_code"]), entry["name"]
 
 
+@pytest.mark.slow
 def test_promote_a_finding_and_run_it(tmp_path):
     version = tmp_path / "1.0"
     shutil.copytree(ROOT / "conformance" / "vectors" / "1.0", version)

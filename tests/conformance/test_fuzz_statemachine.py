@@ -5,21 +5,24 @@ only FormatErrors and agree; resealing really gets mutations past the checksums.
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 FUZZ = Path(__file__).resolve().parents[2] / "conformance" / "fuzz"
 sys.path.insert(0, str(FUZZ))
 
-import harness  # noqa: E402
-from statemachine import SEEDS, ContainerMutations, frame_positions  # noqa: E402
+import harness
+from statemachine import SEEDS, ContainerMutations, frame_positions
 
 
+@pytest.mark.slow
 def test_state_machine_mutations_keep_the_reader_contract():
     run_state_machine_as_test(ContainerMutations, settings=settings(
         max_examples=150, stateful_step_count=15, deadline=None, suppress_health_check=list(HealthCheck)))
 
 
+@pytest.mark.slow
 def test_seeds_are_valid_and_frames_are_found():
     assert len(SEEDS) >= 20
     for p in SEEDS:
@@ -41,6 +44,7 @@ def test_reseal_gets_past_the_checksums():
     assert harness.check(harness.reseal(bytes(data))) not in ("HEADER_CHECKSUM", "PREAMBLE_CHECKSUM")
 
 
+@pytest.mark.slow
 def test_structured_record_edits_reach_the_record_checks():
     """Structure-aware mutation (conformance/fuzz/mutators.py): a record field edited in
     its frame and in the file-form index at once, every checksum recomputed, passes the

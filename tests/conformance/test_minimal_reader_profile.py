@@ -14,9 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "conformance"))
-import minimal_reader as M  # noqa: E402
+import minimal_reader as M
 
 VECTORS = ROOT / "conformance" / "vectors" / "1.0"
 
@@ -71,6 +73,7 @@ def test_min3_groups_follow_from_the_bytes():
             "PREFIX_INVALID", "BODY_CHECKSUM", "INDEX_MISMATCH", "UNSUPPORTED_FEATURE"} <= codes, codes
 
 
+@pytest.mark.slow  # one interpreter per vector: about 30 s on 2 cores
 def test_min2_min3_a_minimal_reader_passes_the_profile(tmp_path: Path):
     """KVW-MIN-2, KVW-MIN-3: a reader that refuses as KVW-MIN-2 says passes all three checks."""
     shim = tmp_path / "minimal_reader_shim.py"

@@ -19,7 +19,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import forge
 import kvwire

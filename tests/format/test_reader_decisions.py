@@ -25,7 +25,6 @@ from kvwire.format.crossmodel import PrefixChain, StateTensor
 from kvwire.format.header import Architecture, Header, LayerSpec, TokenRange, parse_header
 from kvwire.format.prefix import prefix_hashes, prefix_root
 
-
 FULL = LayerSpec("full_attention", 2, 8, 8)
 JAMBA = LayerSpec("state", state_tensors=(StateTensor("conv", (1, 4, 3)), StateTensor("ssm", (1, 2, 4, 3), "bf16")))
 STATE_BIT = kvwire.format.registry.REQUIRED_FEATURES["state_layers"]

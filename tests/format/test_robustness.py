@@ -45,6 +45,7 @@ def outcome(data) -> str:
 # Truncation
 # ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form,codec", COMBOS)
 def test_truncation_at_every_length(form, codec):
     # KVW-ERR-2: every prefix terminates with a FormatError, no out-of-bounds read or crash

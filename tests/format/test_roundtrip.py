@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
-import kvwire.tools.synth
-import kvwire.cache.files
 import kvwire.cache.encoder
+import kvwire.cache.files
+import kvwire.tools.synth
+from kvwire.cache.tensors import as_numpy
 from kvwire.format import limits as L
 from kvwire.format import registry as R
 from kvwire.format.container import FRAME_SIZE, PREAMBLE_SIZE, parse_preamble
 from kvwire.format.header import build_header, parse_header
-from kvwire.cache.tensors import as_numpy
 
 torch = pytest.importorskip("torch")  # a declared test dependency (pyproject [test])
 
@@ -39,7 +39,7 @@ def headers(draw, max_layers: int = 4, max_tokens: int = 40):
     dtype = draw(st.sampled_from(DTYPES))
     token_count = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_tokens)))
     specs, ranges = [], []
-    for i in range(draw(st.integers(1, max_layers))):
+    for _i in range(draw(st.integers(1, max_layers))):
         sources = [j for j, s in enumerate(specs) if s.kind != "shared"]
         kinds = ["full_attention", "sliding_attention", "chunked_attention", "mla_latent"] + (["shared"] if sources else [])
         kind = draw(st.sampled_from(kinds))
@@ -359,6 +359,7 @@ def test_save_into_a_new_file(tmp_path):
 # probe
 # ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_probe_on_every_prefix(form):
     cache = forge.small_cache(metadata={"app.note": b"x" * 100})
@@ -400,7 +401,7 @@ def torch_bytes(t) -> np.ndarray:
 @pytest.mark.parametrize("dtype", sorted(TORCH_DTYPES))
 def test_torch_tensors_as_encoder_input(dtype):
     g = torch.Generator().manual_seed(0)
-    raw = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)  # noqa: E731
+    raw = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     itemsize = R.DTYPES[dtype][1]
     keys = [raw(2, 20, 8 * itemsize).view(TORCH_DTYPES[dtype]), raw(1, 11, 4 * itemsize).view(TORCH_DTYPES[dtype])]
     values = [raw(2, 20, 6 * itemsize).view(TORCH_DTYPES[dtype]), raw(1, 11, 2 * itemsize).view(TORCH_DTYPES[dtype])]
@@ -564,6 +565,7 @@ text = st.text(st.characters(blacklist_characters="\0", blacklist_categories=("C
 blobs = st.binary(max_size=40)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(h=headers(max_layers=5), data=st.data())
 def test_header_flatbuffer_roundtrip(h, data):

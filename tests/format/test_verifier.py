@@ -22,8 +22,17 @@ from forge import expect, raises_code, set_records
 from kvwire.format import limits as L
 from kvwire.format.container import FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, build_frame, parse_preamble
 from kvwire.format.errors import (
-    ChecksumError, CodecError, FeatureError, FormatError, HeaderError, LayoutError, LimitError, MagicError,
-    SchemaError, TruncatedError, VersionError,
+    ChecksumError,
+    CodecError,
+    FeatureError,
+    FormatError,
+    HeaderError,
+    LayoutError,
+    LimitError,
+    MagicError,
+    SchemaError,
+    TruncatedError,
+    VersionError,
 )
 
 CACHE = forge.small_cache()  # 2 layers x (k, v) x 3 chunks (tokens 0-16, 16-32, 32-40): 12 records
@@ -307,6 +316,7 @@ def _budget_dag(kind: str, **kw) -> bytes:
     return add_parse_budget.dag_header(kind, **kw)
 
 
+@pytest.mark.slow
 def test_hdr8_table_count_reachable_within_the_count_limits():
     """KVW-HDR-8: the old rationale ("a valid header visits at most about 12,300 tables")
     was wrong. Unreferenced layer specs sharing one state_tensors vector of 64 tables reach
@@ -380,6 +390,7 @@ def _spent(hb: bytes) -> tuple[int, int]:
     return seen[0].spent, seen[0].budget
 
 
+@pytest.mark.slow
 def test_lim7_budget_is_generous_for_the_largest_real_headers():
     """KVW-LIM-7: the reference writer's largest realistic headers cost about one unit per
     header byte, far below the budget of 8 per byte: a 4096-layer model with distinct
@@ -387,8 +398,15 @@ def test_lim7_budget_is_generous_for_the_largest_real_headers():
     layer map and a 1M-token prefix chain; and a 4096-layer hybrid model whose layers all
     have distinct state tensors."""
     from kvwire.format.crossmodel import PrefixChain, StateTensor
-    from kvwire.format.header import Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, RopeParams
-    from kvwire.format.header import build_header
+    from kvwire.format.header import (
+        Architecture,
+        Header,
+        LayerMapEntry,
+        LayerSpec,
+        ModelIdentity,
+        RopeParams,
+        build_header,
+    )
 
     n = L.MAX_LAYERS
     rope = RopeParams("longrope", 10000.0, 128, False, 32.0, 4096, short_factor=tuple(1 + i / 64 for i in range(64)),
@@ -410,6 +428,7 @@ def test_lim7_budget_is_generous_for_the_largest_real_headers():
     assert spent < 1.4 * len(hb) and spent < budget / 5, (spent, len(hb), budget)
 
 
+@pytest.mark.slow
 def test_lim7_shared_rope_table_is_exempt_and_decoded_once():
     """KVW-LIM-7 exemption: the reference writer shares one RopeParams table among the
     layer specs that use it. 4096 specs sharing a table of 2 x 4096 factors would cost
@@ -1071,6 +1090,7 @@ def _codes_in_package() -> set:
     return codes
 
 
+@pytest.mark.slow
 def test_every_error_code_has_a_test():
     text = "".join(p.read_text() for p in pathlib.Path(__file__).resolve().parents[1].rglob("test_*.py"))
     codes = _codes_in_package()

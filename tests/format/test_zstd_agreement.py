@@ -29,7 +29,7 @@ from kvwire.format.errors import CodecError
 ROOT = Path(__file__).resolve().parents[2]
 LIB = ROOT / "build" / "c" / "libkvwire.so"
 sys.path.insert(0, str(ROOT / "conformance" / "fuzz"))
-import zstd_agreement as ZA  # noqa: E402
+import zstd_agreement as ZA
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -161,6 +161,7 @@ def test_zstd_checksum_missing_is_a_codec_error():
     assert bytes(kvwire.codecs.decode_body("zstd", frame, 100)) == bytes(100)
 
 
+@pytest.mark.slow
 def test_differential_100k_mutated_bodies():
     """Section 19 (one meaning), KVW-CODEC-4/5: 100,000 mutated bodies of raw, zstd, byteplane
     (bf16, f16, f32) and int_affine+zstd containers, every 200th also read as a whole container

@@ -19,12 +19,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-from kvwire.integrations.vllm_plan import slots  # noqa: E402
-from kvwire.layouts import (  # noqa: E402
-    CPU_HEADER_LAYOUTS, check_slot_packing, cpu_amx_views, cpu_header_layout, gather_slots, scatter_slots,
+from kvwire.integrations.vllm_plan import slots
+from kvwire.layouts import (
+    CPU_HEADER_LAYOUTS,
+    check_slot_packing,
+    cpu_amx_views,
+    cpu_header_layout,
+    gather_slots,
+    scatter_slots,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +129,7 @@ def geometries(draw):
     return n, d, h, nb, t, ids, draw(st.sampled_from([torch.bfloat16, torch.uint8])), draw(st.integers(0, 2**31))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(geometries())
 def test_kvw_bind_5_cpu_amx_addresses_the_spec_formula(geo):

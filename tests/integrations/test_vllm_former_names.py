@@ -46,12 +46,12 @@ def test_former_names_warn_and_name_their_replacement(module, name, instead):
 def test_current_names_do_not_warn_and_unknown_names_are_attribute_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from kvwire.integrations.vllm_engine import engine_layout_of, layer_packing  # noqa: F401
-        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, slots  # noqa: F401
+        from kvwire.integrations.vllm_engine import engine_layout_of, layer_packing  # noqa: F401 (the former names still import)
+        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, slots  # noqa: F401 (the former names still import)
     import kvwire.integrations.vllm_plan as plan
 
     with pytest.raises(AttributeError, match="no attribute 'gather_layers'"):
-        plan.gather_layers  # noqa: B018
+        plan.gather_layers  # noqa: B018 (the attribute access is what warns)
     assert not {*PLAN, *ENGINE} & {*plan.__all__, *importlib.import_module("kvwire.integrations.vllm_engine").__all__}
 
 

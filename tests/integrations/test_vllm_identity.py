@@ -12,7 +12,6 @@ import os
 import subprocess
 
 import pytest
-
 from test_vllm_e2e import MODEL, REPO, TEXT, run, stats, stored_tokens, vllm_python
 
 pytestmark = pytest.mark.vllm

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, random_bits  # noqa: F401 (fixtures)
 
 import kvwire
 from kvwire.cache.tensors import as_numpy
@@ -20,8 +21,6 @@ from kvwire.integrations.vllm_pipeline import LayerPipeline
 from kvwire.integrations.vllm_plan import ModelKey, RequestState, chunk_cache, chunks_to_save, slots, tail_to_save
 from kvwire.layouts import gather_slots, scatter_slots
 from kvwire.store import KVStore, MemoryStore
-
-from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, random_bits  # noqa: F401 (fixtures)
 
 C, BS = 32, 16
 
@@ -55,7 +54,7 @@ def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None):
         if i == skip_layer:
             continue
         got = pipe.wait(i)
-        for (rid, toks, start, stop, blocks), arrays in zip(requests, got):
+        for (_rid, _toks, start, stop, blocks), arrays in zip(requests, got):
             n = 0 if arrays is None else min(arrays["k"].shape[1], stop)
             if n > start:
                 scatter_slots(bufs[i], slots(blocks, BS, start, n), {c: x[:, start:n] for c, x in arrays.items()},
@@ -68,6 +67,7 @@ def bits(x):
     return as_numpy(x).view(np.uint16)
 
 
+@pytest.mark.slow
 def test_pipeline_scatters_every_layer_of_two_requests_bit_exactly(fidelity_key):
     """Two requests of one step (4 and 2 chunks stored, loads of 120 and 64 tokens) land in
     their blocks of every layer exactly; blocks of other requests are untouched."""
@@ -158,6 +158,7 @@ class FailingStore(MemoryStore):
         raise kvwire.store.StoreError("connection reset by peer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_cls", [StuckStore, FailingStore])
 def test_a_stuck_or_failing_store_never_hangs_the_engine(fidelity_key, store_cls):
     """A layer not ready within the timeout, or a store error in the thread, returns no
@@ -263,6 +264,7 @@ def test_cache_dtype_of_maps_vllm_kv_cache_dtypes():
             cache_dtype_of(torch.bfloat16, bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["f8_e4m3fn", "f8_e5m2"])
 def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
     """An fp8 vLLM cache: per layer a uint8 [blocks, heads, block_size, 2*D] tensor of fp8

@@ -25,8 +25,16 @@ from kvwire.cache.kvcache import KVCache
 from kvwire.cache.tensors import as_numpy
 from kvwire.format.header import Architecture, Header, LayerSpec
 from kvwire.integrations.vllm_plan import (
-    ModelKey, RequestState, chunk_cache, chunks_to_save, dtype_of, files_digest, layer_index, matched_tokens,
-    model_weights_fingerprint, slots,
+    ModelKey,
+    RequestState,
+    chunk_cache,
+    chunks_to_save,
+    dtype_of,
+    files_digest,
+    layer_index,
+    matched_tokens,
+    model_weights_fingerprint,
+    slots,
 )
 from kvwire.layouts import gather_slots, scatter_slots
 from kvwire.model.identity import config_fingerprint
@@ -284,6 +292,7 @@ def fidelity_key(fidelity):
     return ModelKey.of(arch, "bf16", MODEL_DIR, chunk_tokens=32, config=cfg)
 
 
+@pytest.mark.slow
 @given(data=st.data())
 def test_chunk_cache_of_a_step_stores_the_objects_of_a_whole_cache_put(fidelity_key, data):
     """KVW-STORE-11, 13: tokens [f*C, s*C) gathered from paged buffers, keyed with the

@@ -45,7 +45,7 @@ def vllm_store(k: np.ndarray, v: np.ndarray, cache_dtype: str) -> np.ndarray:
     vmin, vmax = v.min(-1, keepdims=True), v.max(-1, keepdims=True)
     scale = np.maximum((vmax - vmin) / np.float32(2 ** lay.v_bits - 1), np.float32(1e-8))
     q = np.clip(np.floor((v - vmin) / scale + np.float32(0.5)), 0, 2 ** lay.v_bits - 1).astype(np.uint8)
-    f16 = lambda a: a.astype("<f2").view(np.uint8)  # noqa: E731
+    f16 = lambda a: a.astype("<f2").view(np.uint8)
     out = np.zeros((T, H, lay.size), np.uint8)
     out[..., : lay.k_codes] = _pack(idx, lay.k_bits)
     out[..., lay.k_codes : lay.v_at] = f16(norm)
@@ -58,10 +58,10 @@ def vllm_store(k: np.ndarray, v: np.ndarray, cache_dtype: str) -> np.ndarray:
 def vllm_dequant(slots: np.ndarray, cache_dtype: str, D: int):
     """vLLM's dequantization of slots, in float64: K = (norm * c / ||c||) @ H, V = q * s + min."""
     lay = VT.slot_layout(cache_dtype, D)
-    unpack = lambda b, n: np.unpackbits(b, axis=-1, bitorder="little").reshape(*b.shape[:-1], D, n) @ (  # noqa: E731
+    unpack = lambda b, n: np.unpackbits(b, axis=-1, bitorder="little").reshape(*b.shape[:-1], D, n) @ (
         1 << np.arange(n))
     c = TQ.vllm_table(lay.k_bits, D).astype(np.float64)[unpack(slots[..., : lay.k_codes], lay.k_bits)]
-    f16 = lambda a: a.copy().view("<f2")[..., 0].astype(np.float64)[..., None]  # noqa: E731
+    f16 = lambda a: a.copy().view("<f2")[..., 0].astype(np.float64)[..., None]
     k = f16(slots[..., lay.k_codes : lay.v_at]) * c / np.sqrt((c * c).sum(-1, keepdims=True) + 1e-16)
     k = k @ _hadamard(D).astype(np.float64)
     v0 = lay.v_at + lay.v_codes

@@ -14,8 +14,8 @@ import pytest
 import kvwire
 
 torch = pytest.importorskip("torch")
-from kvwire import layouts  # noqa: E402
-from kvwire.layouts import LayoutMismatchError  # noqa: E402
+from kvwire import layouts
+from kvwire.layouts import LayoutMismatchError
 
 L, H, CK, CV, N = 3, 2, 8, 6, 4  # layers, heads, head dims (sglang.mha: K/V differ), block size
 NB, NS = 9, 40  # blocks / token slots in the engine buffers
@@ -413,6 +413,7 @@ def test_descriptors_print_and_validate():
         layouts.LayoutDescriptor("x", (("T",), ("H",), ("C",)), (0, 0, 1), "separate", "layer")
 
 
+@pytest.mark.slow
 def test_import_kvwire_does_not_import_torch():
     import subprocess
     import sys

@@ -16,9 +16,9 @@ import kvwire
 from kvwire.format import registry as R
 
 torch = pytest.importorskip("torch")
-from kvwire import layouts  # noqa: E402
-from kvwire.cache.cuda import SimulatedStream, StagingRing  # noqa: E402
-from kvwire.cache.device_load import load_to_device  # noqa: E402
+from kvwire import layouts
+from kvwire.cache.cuda import SimulatedStream, StagingRing
+from kvwire.cache.device_load import load_to_device
 
 
 class CheckingRing(StagingRing):

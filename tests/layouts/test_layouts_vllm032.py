@@ -27,13 +27,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-import kvwire  # noqa: E402
-from kvwire import layouts  # noqa: E402
-from kvwire.layouts import LayoutMismatchError  # noqa: E402
-from test_layouts import CK, H, L, MLA_C, N, NB, RANK, SPECS, _bytes, fill, roundtrip  # noqa: E402
+from test_layouts import CK, MLA_C, NB, RANK, SPECS, H, L, N, _bytes, fill, roundtrip
+
+import kvwire
+from kvwire import layouts
+from kvwire.layouts import LayoutMismatchError
 
 ORDERS = {  # vllm/v1/kv_cache_layout.py, KVCacheLayout member -> value (stride_order)
     "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),

@@ -19,14 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-import kvwire  # noqa: E402
-from kvwire import layouts  # noqa: E402
-from kvwire.layouts import LayoutMismatchError  # noqa: E402
-from test_layouts import CK, H, L, MLA_C, N, NB, _bytes, roundtrip  # noqa: E402
-from test_layouts_vllm032 import vllm_allocate  # noqa: E402
+from test_layouts import CK, MLA_C, NB, H, L, N, _bytes, roundtrip
+from test_layouts_vllm032 import vllm_allocate
+
+import kvwire
+from kvwire import layouts
+from kvwire.layouts import LayoutMismatchError
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC_MD = REPO / "spec" / "layouts.md"

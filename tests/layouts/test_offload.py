@@ -15,9 +15,9 @@ import pytest
 import kvwire
 
 torch = pytest.importorskip("torch")
-from kvwire import layouts  # noqa: E402
-from kvwire.cache.cuda import SimulatedStream  # noqa: E402
-from kvwire.layouts import OffloadRing, RingFullError  # noqa: E402
+from kvwire import layouts
+from kvwire.cache.cuda import SimulatedStream
+from kvwire.layouts import OffloadRing, RingFullError
 
 L, B, N, H, C = 2, 12, 4, 2, 8
 DELAY = 0.06

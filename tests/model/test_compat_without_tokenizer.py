@@ -14,7 +14,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvwire
 from kvwire import LocalModel
@@ -58,6 +59,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_xm3_issue_case_no_tokenizer_on_either_side_is_exact_in_a_fresh_process(tmp_path):
     """KVW-XM-3: hf.identity(model) without a tokenizer, saved, checked in another process against
     hf.local_model(model): exact (it was 'tokenizer: fingerprint missing on the sender side')."""
@@ -99,6 +101,7 @@ def test_xm3_hf_tokenizer_on_the_receiver_only_is_refused():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
+
     from kvwire.adapters import hf, zoo
 
     torch.set_num_threads(1)

@@ -350,9 +350,9 @@ def test_xm4_compute_dtype_difference():
 def test_xm5_partially_equal_weights():
     """KVW-XM-5: differing upper layers are recomputed; a difference from layer 0 is a reason."""
     h0 = sent()
-    chain = lambda *same: b"".join((b"a" if s else b"b") * 32 for s in same)  # noqa: E731
+    chain = lambda *same: b"".join((b"a" if s else b"b") * 32 for s in same)
     h = sent(model=ident(h0.arch, weights=b"x" * 32, layer_weights=chain(1, 1, 1, 1)))
-    mine = lambda *same, **kw: local(h, identity=ident(h.arch, layer_weights=chain(*same)), **kw)  # noqa: E731
+    mine = lambda *same, **kw: local(h, identity=ident(h.arch, layer_weights=chain(*same)), **kw)
     assert kvwire.check_compatible(h, mine(1, 1, 0, 0)) == kvwire.Verdict("convertible", ("recompute layers 2..3",))
     assert kvwire.check_compatible(h, mine(1, 1, 1, 1)).conversions[0].startswith("reuse all layers")
     assert kvwire.check_compatible(h, mine(0, 1, 1, 1)).reasons == (
@@ -413,7 +413,7 @@ def test_xm6_layer_map_compares_per_layer_chains():
     sender's chain entry of its transmitted layer with the receiver's of the layer it fills (both
     resolved through shared layers): a same-model cache with aliases or recomputed layers is
     accepted, one from other weights is not, unless the receiver accepts foreign weights."""
-    chain = lambda *tags: b"".join(bytes([t]) * 32 for t in tags)  # noqa: E731
+    chain = lambda *tags: b"".join(bytes([t]) * 32 for t in tags)
     shared = kvwire.Architecture((FULL, FULL, LayerSpec("shared", source_layer=1), FULL))
     h = kvwire.Header(shared, token_count=4, dtype="bf16", chunk_tokens=4,
                       model=ident(shared, layer_weights=chain(1, 2, 2, 3)),
@@ -566,6 +566,7 @@ def test_architecture_families_round_trip_and_match_themselves(name):
     assert kvwire.check_compatible(back.header, LocalModel(arch, "bf16", ident(arch))).status == "exact"
 
 
+@pytest.mark.slow
 def test_writer_refuses_a_header_its_own_reader_rejects_for_complexity():
     """KVW-WRITE-1 with KVW-HDR-8/LIM-7: 4,096 distinct state layers of 16 state tensors each
     pass check_header but take over 65,536 table visits to read; the Encoder parses what it

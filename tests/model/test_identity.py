@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import forge
 import kvwire
-from kvwire.model import identity as I
 from kvwire.format.errors import SchemaError
 from kvwire.format.header import parse_header
+from kvwire.model import identity as I
 
 ARCH = kvwire.Architecture.uniform(3, 2, 8)
 
@@ -68,6 +68,7 @@ json_values = st.recursive(
     max_leaves=12)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(json_values)
 def test_id3_canonical_json_is_json_and_a_fixed_point(value):

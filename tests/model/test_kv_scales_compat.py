@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import forge
 import kvwire
@@ -31,7 +32,6 @@ from kvwire.format import registry as R
 from kvwire.format.kv_scales import KV_SCALES_BIT, KVScale
 from kvwire.model.identity import make_identity
 from kvwire.model.rescale import FP8_MAX, check_scales, rescale_cache, rescale_fp8
-
 
 FP8 = ("f8_e4m3fn", "f8_e5m2", "f8_e4m3fnuz")
 FULL = LayerSpec("full_attention", 2, 8, 8)
@@ -344,7 +344,7 @@ def test_xm10_rescale_to_none_drops_the_field_and_scaled_round_trip():
     assert plain.kv_scales is None
     data = kvwire.encode(plain)
     assert int.from_bytes(data[10:12], "little") == 0 and kvwire.probe(data).required_features == 0
-    for i, (k, v) in enumerate(SCALES):
+    for i, (k, _v) in enumerate(SCALES):
         assert np.array_equal(bits(plain.layers[i]["k"]), bits(rescale_fp8(cache.layers[i]["k"], k, 1.0, h.dtype)))
     again = rescale_cache(plain, SCALES)
     assert kvwire.probe(kvwire.encode(again)).kv_scales == cache.kv_scales

@@ -183,6 +183,7 @@ def test_prefix_index_longest_match():
     assert idx.lookup(base, FP, 4) == kvwire.model.prefix.Hit("tail", 32)
 
 
+@pytest.mark.slow
 def test_prefix_chain_longer_than_its_limit_is_refused_by_the_writer():
     """KVW-PREFIX-7: up to 2^18 token chunks (2^23 bytes of hashes) are written and read back
     (40,000 chunks: over the old 2^20-byte cap); one chunk more, the writer says so before writing."""

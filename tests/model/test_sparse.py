@@ -13,15 +13,20 @@ import codec_reference as ref
 import forge
 import kvwire
 from kvwire import CodecSpec, codecs
+from kvwire.cache.sparse import SparseKVCache, decode_positions, encode_positions
+from kvwire.cache.tensors import as_numpy, as_uint
 from kvwire.format import chunks
 from kvwire.format import registry as R
 from kvwire.format.errors import CodecError, FeatureError, LayoutError, SchemaError
 from kvwire.format.header import Architecture, Header, LayerSpec, TokenRange
-from kvwire.cache.sparse import SparseKVCache, decode_positions, encode_positions
 from kvwire.format.sparse import (
-    SPARSE_BIT, SparseInfo, SparseTable, check_sparse, check_sparse_records, planned_sparse_chunks,
+    SPARSE_BIT,
+    SparseInfo,
+    SparseTable,
+    check_sparse,
+    check_sparse_records,
+    planned_sparse_chunks,
 )
-from kvwire.cache.tensors import as_numpy, as_uint
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -47,7 +52,7 @@ def stream_events(data):
 def from_events(header, events) -> SparseKVCache:
     """Reassemble a sparse cache from StreamDecoder events (any chunk order)."""
     layers = []
-    for spec, heads in zip(header.arch.layers, _empty_like(header)):
+    for _spec, heads in zip(header.arch.layers, _empty_like(header)):
         layers.append(heads)
     for ev in events:
         if isinstance(ev, kvwire.ChunkEvent):

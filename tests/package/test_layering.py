@@ -146,9 +146,14 @@ def test_only_the_entry_point_imports_the_package_root():
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_hand_written_modules_stay_small(module):
-    """About 400 lines at most: a module past that holds more than one responsibility."""
-    lines = MODULES[module].read_text().count("\n")
-    assert lines <= 420, f"{module}: {lines} lines"
+    """About 400 lines at most: a module past that holds more than one responsibility. Import
+    statements are not counted: ruff's import sorting writes one name a line, which says
+    nothing about what a module does."""
+    text = MODULES[module].read_text()
+    imports = sum(n.end_lineno - n.lineno + 1 for n in ast.walk(ast.parse(text))
+                  if isinstance(n, (ast.Import, ast.ImportFrom)))
+    lines = text.count("\n") - imports
+    assert lines <= 420, f"{module}: {lines} lines besides its imports"
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))

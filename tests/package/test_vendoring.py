@@ -50,6 +50,7 @@ def vendor(tmp_path, name: str) -> pathlib.Path:
     return root
 
 
+@pytest.mark.slow
 def test_vendored_copy_round_trips_in_a_fresh_interpreter(tmp_path):
     root = vendor(tmp_path, "acme_kvwire")
     script = textwrap.dedent("""

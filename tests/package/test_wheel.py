@@ -74,7 +74,7 @@ def pip(*args, cwd):
 def built(tmp_path_factory):
     """{"wheel": the wheel built from the tree, "sdist": the sdist, "out": their folder}."""
     try:
-        import setuptools  # noqa: F401
+        import setuptools  # noqa: F401 (only checks that it imports)
     except ImportError:
         pytest.fail("building the wheel needs setuptools in the test venv: pip install 'setuptools>=77'")
     base = tmp_path_factory.mktemp("wheel")
@@ -151,6 +151,7 @@ def outside(tmp_path):
     return tmp_path, {**env, "PYTHONNOUSERSITE": "1"}
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_conformance_kit_py_typed_and_the_license(built):
     """Issue 16 items 2-3: every vector file and PROTOCOL.md byte for byte under
     kvwire/conformance/data/, py.typed, the Apache-2.0 LICENSE and its metadata; nothing
@@ -175,6 +176,7 @@ def test_wheel_ships_the_conformance_kit_py_typed_and_the_license(built):
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
 
 
+@pytest.mark.slow
 def test_sdist_carries_the_kit_and_builds_the_same_wheel(built, tmp_path):
     """A wheel built from the sdist (what `python -m build` does) has the same files."""
     with tarfile.open(built["sdist"]) as t:
@@ -188,6 +190,7 @@ def test_sdist_carries_the_kit_and_builds_the_same_wheel(built, tmp_path):
         assert sorted(a.namelist()) == sorted(b.namelist())
 
 
+@pytest.mark.slow
 def test_fresh_venv_holds_only_the_wheel_and_its_dependencies(venv, outside):
     cwd, env = outside
     p = pip("--python", venv / "python", "list", "--format", "json", cwd=cwd)
@@ -198,6 +201,7 @@ def test_fresh_venv_holds_only_the_wheel_and_its_dependencies(venv, outside):
     assert Path(where).is_relative_to(venv.parent) and missing == "None None"
 
 
+@pytest.mark.slow
 def test_conformance_run_passes_from_the_installed_wheel(venv, outside):
     """`kvwire conformance run` with no checkout: the vectors the wheel carries, 100% PASS."""
     cwd, env = outside
@@ -222,6 +226,7 @@ def test_checkout_vectors_are_found_before_the_shipped_copy(venv, outside):
     assert shipped.endswith(f"site-packages/{DATA}/vectors") and Path(shipped).is_relative_to(venv.parent)
 
 
+@pytest.mark.slow
 def test_demo_from_the_installed_wheel_names_the_cpu_torch_and_falls_back(venv, outside):
     """`kvwire demo` without torch: an install hint for torch's CPU build (never a bare
     `pip install torch`, which pulls a multi-GB CUDA build), then the synthetic demo."""
@@ -268,6 +273,7 @@ def test_find_protocol_beside_the_vectors():
     assert find_protocol(ROOT / "python") is None
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs_from_the_installed_wheel(venv, outside):
     """Issue 16's "done when": the README's first example, copied as is, runs in the fresh
     venv that holds only the wheel and its core dependencies (no checkout, no torch)."""

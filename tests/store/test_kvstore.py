@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 import pytest

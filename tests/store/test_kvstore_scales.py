@@ -15,7 +15,8 @@ import hashlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import forge
 import kvwire
@@ -24,7 +25,6 @@ from kvwire.format.kv_scales import KV_SCALES_BIT, KVScale
 from kvwire.model.rescale import rescale_cache
 from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore, open_store
 from kvwire.store.kvstore import held_layers
-
 
 FP = hashlib.sha256(b"kvstore-scales-model").digest()
 C = 4

@@ -16,7 +16,14 @@ import kvwire
 from kvwire.format.container import MAGIC
 from kvwire.format.header import ModelIdentity
 from kvwire.store import (
-    KeySpace, KVStore, LocalStore, MemoryStore, StoreError, codec_fidelity, open_store, resolve_range,
+    KeySpace,
+    KVStore,
+    LocalStore,
+    MemoryStore,
+    StoreError,
+    codec_fidelity,
+    open_store,
+    resolve_range,
 )
 
 FP = hashlib.sha256(b"store-test-model").digest()
@@ -140,6 +147,7 @@ def _writer(root, n, seed):
             raise SystemExit(3)  # a partial or wrong object
 
 
+@pytest.mark.slow
 def test_store10_concurrent_processes(tmp_path):
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(str(tmp_path), 40, seed)) for seed in range(4)]

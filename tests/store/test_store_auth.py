@@ -7,8 +7,8 @@ real Redis server; a keyed writer heals them; unkeyed readers keep working; the 
 from __future__ import annotations
 
 import hashlib
-import json
 import hmac
+import json
 import os
 from pathlib import Path
 
@@ -21,7 +21,17 @@ import kvwire
 from kvwire.format.header import ModelIdentity
 from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore, StoreError, open_store
 from kvwire.store.auth import (
-    ENV_KEY_FILE, ENV_KEYS, MAX_TAG_BYTES, Keyring, Tag, TagError, check_url, pack_tag, parse_tag, tag_key, tag_message,
+    ENV_KEY_FILE,
+    ENV_KEYS,
+    MAX_TAG_BYTES,
+    Keyring,
+    Tag,
+    TagError,
+    check_url,
+    pack_tag,
+    parse_tag,
+    tag_key,
+    tag_message,
 )
 from kvwire.store.layerwise import LayerwiseLoad
 from kvwire.tools.cli import main as cli_main

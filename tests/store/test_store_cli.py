@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_store import FP, make_cache
 
 import forge
 from kvwire.cache.reader import probe
@@ -26,7 +27,6 @@ from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore
 from kvwire.store.keys import LOSSLESS, LOSSLESS_CODECS, header_mismatches
 from kvwire.store.kvstore import HEAD_BYTES
 from kvwire.tools.cli import main
-from test_store import FP, make_cache
 
 OTHER_FP = hashlib.sha256(b"store-cli-other-model").digest()
 VECTOR_FP = bytes(range(32))
@@ -366,6 +366,7 @@ def _kvwire(*args):
                           timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_store_cli_as_a_subprocess(filled):
     ok = _kvwire("store", "stats", "--url", filled["url"])
     assert ok.returncode == 0 and "by key root:" in ok.stdout, ok.stderr

@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 import pytest
-from redisfix import RedisCluster, RedisServer, SilentServer, free_port
 
 import kvwire
 from kvwire.format.header import ModelIdentity
 from kvwire.store import KeySpace, KVStore, LocalStore, StoreError, open_store
+from redisfix import RedisCluster, RedisServer, SilentServer, free_port
 
 FP = hashlib.sha256(b"redis-fault-test-model").digest()
 TIMEOUT = 2.0
@@ -171,6 +171,7 @@ def test_store4_down_server_is_an_error_within_the_timeout(tmp_path):
 
 # -- (c): a cluster with one master down ------------------------------------------------------
 
+@pytest.mark.slow
 def test_store4_cluster_master_down(tmp_path):
     """A killed master costs its own keys only: reads of its keys are misses (counted in
     stats.unavailable), get_cache serves the chunks before the first of them and leading_hits
@@ -228,6 +229,7 @@ def test_store4_cluster_master_down(tmp_path):
 
 # -- (d): corruption in the server -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["server", "cluster"])
 def test_store17_corrupted_redis_object_is_a_miss_and_deleted(request, backend):
     """KVW-STORE-17: one byte of a chunk's tensor bytes flipped in Redis (SETRANGE): get_cache
@@ -265,6 +267,7 @@ def test_store17_corrupted_redis_object_is_a_miss_and_deleted(request, backend):
 
 # -- (e): eviction under maxmemory ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_store9_eviction_under_maxmemory_is_a_miss_never_a_wrong_object(tmp_path):
     """allkeys-lru with 20 MB: 200 caches of 4 chunks (about 53 MB) do not fit; every cache
     that comes back is bit for bit the original for the tokens it covers, the rest are misses,
@@ -338,6 +341,7 @@ def check_full_disk(out: dict, what: str) -> None:
         assert out["free_blocks_kept"], "the failed put leaked a temporary file's blocks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fsize", "fsize-named"])
 def test_store4_local_store_full_disk_rlimit(tmp_path, mode):
     """KVW-STORE-4/7: a write that fails for lack of room (RLIMIT_FSIZE: EFBIG, on any
@@ -365,6 +369,7 @@ def tmpfs_prefix() -> list | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["enospc", "enospc-named"])
 def test_store4_local_store_full_tmpfs(tmp_path, mode):
     """KVW-STORE-4: the same on a real full file system (a 2 MiB tmpfs, ENOSPC), where this
@@ -392,6 +397,7 @@ CALLS = {
 }
 
 
+@pytest.mark.slow
 def test_store4_silent_server_times_out():
     """KVW-STORE-4: a listener that accepts and never replies: every call is a StoreError
     within the timeout (plus scheduling slack), never a hang."""
@@ -405,6 +411,7 @@ def test_store4_silent_server_times_out():
                      timeout + 1.0, "open a cluster store (reads the slot map at once)")
 
 
+@pytest.mark.slow
 def test_store4_debug_sleep_and_paused_server(tmp_path):
     """KVW-STORE-1/4: a real server that stops answering (DEBUG SLEEP, then SIGSTOP) fails the
     calls within the timeout; once it answers again the same store works, and a large put cut
@@ -436,6 +443,7 @@ def test_store4_debug_sleep_and_paused_server(tmp_path):
     server.kill()
 
 
+@pytest.mark.slow
 def test_free_port_and_restart_on_a_taken_port(tmp_path):
     """The fixture's own robustness: a server whose port another process took meanwhile
     fails with its log, and a fresh server finds another port."""

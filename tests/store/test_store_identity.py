@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 import kvwire
 from kvwire.format.header import ModelIdentity
 from kvwire.store import (
-    Adapter, KeySpace, KVStore, LocalStore, MemoryStore, MultimodalItem, RequestIdentity, adapter_fingerprint,
+    Adapter,
+    KeySpace,
+    KVStore,
+    LocalStore,
+    MemoryStore,
+    MultimodalItem,
+    RequestIdentity,
+    adapter_fingerprint,
 )
 from kvwire.store.identity import METADATA_KEY
 from kvwire.store.keys import header_mismatches
@@ -96,6 +103,7 @@ IDENTS = st.builds(
                              st.integers(1, 5)), max_size=3).map(tuple))
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(a=IDENTS, b=IDENTS)
 def test_ident2_encoding_is_unambiguous(a, b):

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kvstore import CODECS, C, big_cache, make_cache, replace_object, same_bits, token_ids
 
 import kvwire
 from kvwire.store import KeySpace, KVStore, LocalStore, MemoryStore
 from kvwire.store.layerwise import LayerwiseLoad, fetch_layer
-
-from test_kvstore import C, CODECS, big_cache, make_cache, replace_object, same_bits, token_ids
 
 
 class RangeCountingStore(MemoryStore):

@@ -15,11 +15,11 @@ import subprocess
 import sys
 
 import pytest
+from test_store import FP, make_cache
 
 from kvwire.format.container import MAGIC
-from kvwire.store import KeySpace, KVStore, LocalStore, StoreError, open_store
+from kvwire.store import KVStore, LocalStore, StoreError, open_store
 from kvwire.tools.cli import main
-from test_store import FP, make_cache
 
 KEY_DIR = "kvw1/" + "ab" * 16 + "/bf16/tp0of1/l0-2/lossless/c4"
 OTHER_UID = 54321
@@ -333,7 +333,7 @@ def test_store31_modes_whatever_the_umask(tmp_path, umask, shared):
         os.umask(old)
     dmode, fmode = (0o700, 0o600) if shared == "private" else (0o2770, 0o640)
     root = tmp_path / "s"
-    for dirpath, dirs, files in os.walk(root):
+    for dirpath, _dirs, files in os.walk(root):
         assert stat.S_IMODE(os.stat(dirpath).st_mode) == dmode, dirpath
         for f in files:
             assert stat.S_IMODE(os.stat(os.path.join(dirpath, f)).st_mode) == fmode, f
@@ -437,6 +437,7 @@ def test_store35_init_adopts_only_a_directory_of_kvwire_objects(tmp_path, capsys
         init_store(d, shared="group")
 
 
+@pytest.mark.slow
 def test_store_cli_init_and_gc_all_in_help():
     """The CLI documents init and --all."""
     out = subprocess.run([sys.executable, "-m", "kvwire", "store", "gc", "--help"], capture_output=True, text=True)

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_store import check_kvstore_round_trip
 
 import kvwire
 from kvwire.format.header import ModelIdentity
 from kvwire.store import KeySpace, KVStore, StoreError, open_store, resolve_range
-from test_store import check_kvstore_round_trip
 
 FP = hashlib.sha256(b"redis-store-test-model").digest()
 C = 4

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import traceback
-
 from urllib.parse import quote
 
 import pytest

@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from test_store import check_kvstore_round_trip
 
 from kvwire.store import StoreError, open_store
 from kvwire.store.cluster import RedisClusterStore
 from kvwire.store.redis import RedisStore
 from redisfakes import make_certs
 from redisfix import RedisCluster, RedisServer
-from test_store import check_kvstore_round_trip
 
 TIMEOUT = 2.0
 

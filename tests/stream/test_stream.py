@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import kvwire
 from kvwire import stream
+from kvwire.cache.decoder import RECORD_STRUCT, Placed
 from kvwire.format.chunks import ChunkTable, check_record_fields
 from kvwire.format.container import RECORD_DTYPE
-from kvwire.cache.decoder import RECORD_STRUCT, Placed
 from kvwire.format.errors import FormatError
 from kvwire.tools.synth import synth_cache
 
@@ -532,7 +532,7 @@ def test_fanout_to_file_socket_and_store_without_copies(tmp_path):
     store.evict("seq-1")
     assert freed == [shared] and shared.freed
     with pytest.raises(RuntimeError):
-        shared.buffers
+        _ = shared.buffers
 
 
 def test_shared_zstd_buffers_are_freed_by_the_last_holder():

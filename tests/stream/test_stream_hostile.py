@@ -21,7 +21,7 @@ import kvwire
 from forge import header_of, layout, refix_frame, wrap_header
 from kvwire import stream
 from kvwire.cache import placement
-from kvwire.cache.decoder import RECORD_STRUCT, REC_CODEC, REC_STORED, ChunkEvent, StreamDecoder
+from kvwire.cache.decoder import REC_CODEC, REC_STORED, RECORD_STRUCT, ChunkEvent, StreamDecoder
 from kvwire.codecs.zstd import decode_body
 from kvwire.format.errors import CodecError, FormatError, LimitError, TruncatedError
 from kvwire.format.header import Architecture, Header

@@ -106,6 +106,7 @@ def test_inspect_invalid_file_exits_1_with_the_code(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines()[0] == "TEXT_MODE_MANGLED"
 
 
+@pytest.mark.slow
 def test_validate_as_a_subprocess(synth_file, tmp_path):
     bad = tmp_path / "trunc.kvw"
     bad.write_bytes(synth_file.read_bytes()[:-40])
@@ -153,6 +154,7 @@ def _one_line_error(proc, status, *words):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, args, words", [
     (lambda d: d / "missing.kvw", ["inspect"], ["missing.kvw", "No such file"]),
     (lambda d: d / "missing.kvw", ["validate"], ["missing.kvw", "No such file"]),
@@ -163,6 +165,7 @@ def test_cli_unreadable_inputs_are_one_line_exit_2(tmp_path, make, args, words):
     _one_line_error(_kvwire(*args, make(tmp_path)), 2, *words)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="FIFOs")
 def test_cli_refuses_a_fifo_without_hanging(tmp_path):
     import os
@@ -173,6 +176,7 @@ def test_cli_refuses_a_fifo_without_hanging(tmp_path):
         _one_line_error(_kvwire(cmd, fifo, timeout=30), 2, "pipe.kvw", "FIFO")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("output, words", [
     ("{d}", ["is a directory"]),
     ("{d}/no/such/dir/x.kvw", ["No such file"]),
@@ -183,6 +187,7 @@ def test_cli_unwritable_output_is_one_line_exit_2(tmp_path, output, words):
     _one_line_error(_kvwire("synth", "-o", output.format(d=tmp_path), "--layers", "1", "--tokens", "8"), 2, *words)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["--layers", "-1"], ["--layers", "-1", ">= 1"]),
     (["--kv-heads", "0"], ["--kv-heads", ">= 1"]),
@@ -196,6 +201,7 @@ def test_cli_bad_counts_and_choices_are_one_line_exit_2(tmp_path, args, words):
     assert not (tmp_path / "x.kvw").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["plan", "--prefill-tokens-per-s", "-5"], ["--prefill-tokens-per-s", "> 0"]),
     (["plan", "--prefill-tokens-per-s", "100", "--context", "0"], ["--context", ">= 1"]),
@@ -211,10 +217,12 @@ def test_cli_every_subcommand_checks_its_counts(args, words):
     _one_line_error(_kvwire(*args), 2, *words)
 
 
+@pytest.mark.slow
 def test_cli_demo_rejects_negative_counts():
     _one_line_error(_kvwire("demo", "--synthetic", "--tokens", "-3"), 2, "--tokens")
 
 
+@pytest.mark.slow
 def test_cli_invalid_container_exits_1(tmp_path):
     bad = tmp_path / "junk.kvw"
     bad.write_bytes(b"not a container at all, just text" * 4)
@@ -223,6 +231,7 @@ def test_cli_invalid_container_exits_1(tmp_path):
     assert proc.stderr.splitlines()[0] == "BAD_MAGIC"
 
 
+@pytest.mark.slow
 def test_cli_closed_pipe_is_quiet(synth_file):
     """`kvwire inspect x.kvw --json | head -c 1`: no traceback; a reader that closed the pipe
     before the output was written gives 141, as a command ended by SIGPIPE."""
@@ -238,6 +247,7 @@ def test_cli_closed_pipe_is_quiet(synth_file):
     assert shell.returncode in (0, 141)
 
 
+@pytest.mark.slow
 def test_cli_help_documents_the_exit_statuses():
     out = _kvwire("--help").stdout
     assert "exit status:" in out and "invalid input" in out and "usage error" in out and "141" in out

@@ -54,6 +54,7 @@ def files(tmp_path_factory):
 
 # -- kvwire --version ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_version_names_package_and_format_versions():
     proc = _kvwire("--version", text=True)
     assert proc.returncode == 0, proc.stderr
@@ -63,6 +64,7 @@ def test_version_names_package_and_format_versions():
 
 # -- validate: several files, stdin, --json ------------------------------------------------
 
+@pytest.mark.slow
 def test_validate_several_files_reports_each_and_fails_if_any_fails(files, capsys):
     assert main(["validate", str(files["good"]), str(files["bad"]), str(files["good"])]) == 1
     out, err = capsys.readouterr()
@@ -78,6 +80,7 @@ def test_validate_unreadable_among_several_is_exit_2_and_the_rest_still_checked(
     assert "missing.kvw" in err and "No such file" in err and "BODY_CHECKSUM" in err
 
 
+@pytest.mark.slow
 def test_validate_reads_stdin_for_dash(files):
     ok = _kvwire("validate", "-", input=files["good"].read_bytes())
     assert ok.returncode == 0 and ok.stdout.decode() == "<stdin>: valid\n", ok.stderr
@@ -88,6 +91,7 @@ def test_validate_reads_stdin_for_dash(files):
     assert twice.returncode == 2 and b"once" in twice.stderr
 
 
+@pytest.mark.slow
 def test_validate_json_one_result_per_file(files):
     proc = _kvwire("validate", "--json", files["good"], files["bad"], files["missing"], "-",
                    input=files["good"].read_bytes())
@@ -104,6 +108,7 @@ def test_validate_json_one_result_per_file(files):
 
 # -- closed pipes: every command ends quietly ------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--help"], ["--version"], ["plan", "--help"], ["validate", "--json", "{good}"], ["inspect", "--json", "{llama}"],
     ["plan", "--json", "--prefill-tokens-per-s", "5000"], ["plan", "--sweep", "--prefill-tokens-per-s", "5000"],
@@ -229,6 +234,7 @@ def test_plan_unknown_codec_name_lists_the_valid_ones(capsys):
     assert "unknown codec 'lz9'" in err and "int4-g32-zstd" in err and "name:bits_per_element" in err
 
 
+@pytest.mark.slow
 def test_plan_help_documents_measuring_prefill_speed():
     out = _kvwire("plan", "--help", text=True).stdout
     assert "measuring --prefill-tokens-per-s" in out and "median" in out and "time to first token" in out
@@ -281,6 +287,7 @@ def _fidelity_with_tty_stderr(cache_path, *extra):
     return out, b"".join(chunks).decode()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="pseudo-terminals")
 def test_fidelity_progress_on_a_terminal_never_on_stdout(files):
     out, err = _fidelity_with_tty_stderr(files["good"])
@@ -290,6 +297,7 @@ def test_fidelity_progress_on_a_terminal_never_on_stdout(files):
     assert "fidelity 1/2" not in quiet
 
 
+@pytest.mark.slow
 def test_fidelity_no_progress_when_stderr_is_not_a_terminal(files):
     proc = _kvwire("fidelity", "--cache", files["good"], "--codec", "int8", text=True)
     assert proc.returncode == 0 and proc.stderr == "" and "| `int8` |" in proc.stdout

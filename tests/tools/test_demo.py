@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvwire.tools.cli import main
 
 
+@pytest.mark.slow
 def test_end_to_end_demo_continues_identically_in_a_fresh_process(capsys):
     assert main(["demo", "--layers", "2", "--tokens", "48", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
@@ -29,6 +32,7 @@ def test_synthetic_demo_needs_only_the_core(capsys):
     assert "round trip bit-exact: True" in out and "chunk view shares the mapping: True" in out
 
 
+@pytest.mark.slow
 def test_without_transformers_the_demo_says_how_to_install_and_falls_back():
     code = ("import sys; sys.modules['transformers'] = None; from kvwire.tools.cli import main; "
             "sys.exit(main(['demo', '--layers', '1', '--tokens', '64']))")

@@ -41,6 +41,7 @@ def test_every_example_is_tested_and_says_what_it_shows_and_how_to_run_it():
         assert doc and "What it shows" in doc and f"examples/{name}" in doc, name
 
 
+@pytest.mark.slow
 def test_layerwise_producer_builds_a_header_and_encodes_layer_by_layer(tmp_path):
     out = run(EXAMPLES / "layerwise_producer.py", "--layers", 3, "--tokens", 300, "--codec", "zstd",
               "--out", tmp_path / "p.kvw")
@@ -49,6 +50,7 @@ def test_layerwise_producer_builds_a_header_and_encodes_layer_by_layer(tmp_path)
     assert "300 tokens x 3 layers, model example/tiny-llama, bit-exact: True" in out
 
 
+@pytest.mark.slow
 def test_stream_between_two_processes_delivers_every_layer_identically():
     out = run(EXAMPLES / "stream_two_processes.py", "--layers", 4, "--tokens", 300, "--codec", "zstd")
     times = [float(t) for t in re.findall(r"layer \d usable after ([\d.]+) ms", out)]
@@ -56,6 +58,7 @@ def test_stream_between_two_processes_delivers_every_layer_identically():
     assert "every layer identical: True" in out
 
 
+@pytest.mark.slow
 def test_shared_store_file_backend_serves_the_prefix_to_a_second_process(tmp_path):
     out = run(EXAMPLES / "shared_store.py", "--url", f"file://{tmp_path}/kv", "--tokens", 600)
     assert "2 chunk objects written" in out
@@ -69,6 +72,7 @@ def test_shared_store_redis_backend_against_a_real_server(redis_url):
     assert "2 chunks hit (512 tokens), verdict exact, identical to node A's: True" in out
 
 
+@pytest.mark.slow
 def test_hf_save_continue_gives_identical_tokens_in_a_fresh_process():
     pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
     out = run(EXAMPLES / "hf_save_continue.py", "--new-tokens", 4, timeout=600,
@@ -87,12 +91,14 @@ def conformance(*impl_args, select):
     return p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_conformance_adapter_passes_the_reader_level_on_gold_vectors():
     out = conformance(select=["dtype-bf16", "pre6-header-checksum", "file3-index-checksum"])
     assert re.search(r"reader\s+pass.* 3/3 passed", out), out
     assert "RESULT: PASS" in out
 
 
+@pytest.mark.slow
 def test_conformance_kit_catches_a_broken_adapter():
     out = conformance("--bug", "accept-all", select=["pre6-header-checksum", "file3-index-checksum"])
     assert "accepted an invalid vector (expected HEADER_CHECKSUM)" in out

@@ -132,6 +132,7 @@ def test_no_project_bookkeeping_in_what_users_read():
     assert not wide, wide
 
 
+@pytest.mark.slow
 def test_quickstart_runs_alone_in_a_fresh_process(tmp_path):
     """The first block, copied as is, runs in a fresh interpreter and an empty directory."""
     first = python_blocks(README.read_text())[0]
@@ -143,6 +144,7 @@ def test_quickstart_runs_alone_in_a_fresh_process(tmp_path):
     assert p.stdout.split() == ["300", "(8,", "256,", "64)"]
 
 
+@pytest.mark.slow
 def test_every_readme_python_block_runs_in_order(tmp_path):
     blocks = python_blocks(README.read_text())
     skipped = [b for b in blocks if b["not_run"]]
@@ -160,6 +162,7 @@ def test_every_readme_python_block_runs_in_order(tmp_path):
     assert p.stdout.count("ran") == len(runnable)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", GUIDES)
 def test_every_docs_guide_python_block_runs_in_order(page, tmp_path):
     """A guide's blocks continue from the front page's example (its ``cache``, ``keys``
@@ -179,8 +182,8 @@ def test_every_docs_guide_python_block_runs_in_order(page, tmp_path):
 
 def _mkdocs_or_fail():
     try:
-        import mkdocs  # noqa: F401
-        import mkdocstrings  # noqa: F401
+        import mkdocs  # noqa: F401 (only checks that it imports)
+        import mkdocstrings  # noqa: F401 (only checks that it imports)
     except ImportError:
         pytest.fail("mkdocs/mkdocstrings are not installed in this venv: `make docs` installs the pinned versions")
 
@@ -192,6 +195,7 @@ def _copy_docs(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
 
 
+@pytest.mark.slow
 def test_api_reference_builds_strictly(tmp_path):
     """``make docs``'s build: every ``::: name`` resolves and the pages link up; the
     reference shows the docstrings of the public API."""
@@ -204,6 +208,7 @@ def test_api_reference_builds_strictly(tmp_path):
     assert "kvwire.store.KVStore" in (tmp_path / "site" / "api-io" / "index.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_broken_reference_fails_the_docs_build(tmp_path):
     """Strict mode: a reference to an object that does not exist fails the build."""
     _mkdocs_or_fail()
@@ -214,6 +219,7 @@ def test_a_broken_reference_fails_the_docs_build(tmp_path):
     assert p.returncode != 0 and "kvwire.no_such_function" in p.stderr
 
 
+@pytest.mark.slow
 def test_docs_index_example_runs(tmp_path):
     """The ten lines on the docs' front page run as written too."""
     blocks = python_blocks((ROOT / "docs" / "index.md").read_text())

@@ -6,7 +6,7 @@
  * library runs on any x86-64, so they live in their own translation units and the callers
  * choose them at run time with kvw_simd_rot() / kvw_simd_qch() (the build has them and
  * common/cpu.c's probe says the CPU runs AVX2). Each kernel gives the values of the
- * portable loop it replaces, bit for bit (c/c/tests/test_unit.c compares them).
+ * portable loop it replaces, bit for bit (c/tests/test_unit.c compares them).
  */
 #ifndef KVW_SIMD_H
 #define KVW_SIMD_H

@@ -23,19 +23,25 @@ transformers and torch are imported only when a function here is called.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 
 from ..cache.kvcache import KVCache
-from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
 from ..cache.tensors import as_numpy, dtype_name, is_torch, torch_dtype
+from ..format.header import Architecture, Header, LayerSpec, ModelIdentity, TokenRange
+
 # the model-side names, re-exported: kvwire.adapters.hf.arch_from_config etc. are documented paths
 from .hf_model import (
-    UnsupportedModelError, arch_from_config, identity, layer_types, light_identity, local_model, rope_from_config,
+    UnsupportedModelError,
+    arch_from_config,
+    identity,
+    layer_types,
+    light_identity,
+    local_model,
+    rope_from_config,
 )
-
 
 # ---------------------------------------------------------------------------------------
 # DynamicCache -> KVCache

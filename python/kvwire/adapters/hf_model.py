@@ -14,8 +14,8 @@ transformers and torch are imported only when a function here is called.
 from __future__ import annotations
 
 from ..cache.tensors import dtype_name
-from ..format.header import Architecture, LayerSpec, ModelIdentity, RopeParams
 from ..format.errors import Error
+from ..format.header import Architecture, LayerSpec, ModelIdentity, RopeParams
 
 FRAMEWORK = "transformers"
 
@@ -262,8 +262,13 @@ def identity(model, tokenizer=None) -> ModelIdentity:
     identified without one too (``local_model(model)``) accepts the cache, one identified with
     a tokenizer refuses it unless it passes ``allow_missing={"tokenizer"}`` (KVW-XM-3).
     """
-    from ..model.identity import config_fingerprint, hf_layer_of, layer_weights_fingerprints, make_identity
-    from ..model.identity import weights_fingerprint
+    from ..model.identity import (
+        config_fingerprint,
+        hf_layer_of,
+        layer_weights_fingerprints,
+        make_identity,
+        weights_fingerprint,
+    )
 
     cfg = _text_config(model)
     arch = arch_from_config(cfg)

@@ -18,11 +18,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cache.kvcache import KVCache
-from ..format.header import Header
-from ..format.errors import Error
 from ..cache.sparse import SparseKVCache
-from ..format.sparse import layer_heads
 from ..cache.tensors import as_numpy
+from ..format.errors import Error
+from ..format.header import Header
+from ..format.sparse import layer_heads
 from . import hf
 
 

@@ -24,7 +24,6 @@ import time
 
 import numpy as np
 
-
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32"}
 
 
@@ -314,8 +313,9 @@ class HostRegistration:
 def host_chunk(reader, i: int, verify: bool, stored=None):
     """Record ``i``'s raw body as a CPU integer tensor viewing the container bytes (raw
     codec; no copy) or a fresh decode (zstd), with the info tuple."""
-    import torch
     import warnings
+
+    import torch
 
     if stored is None:
         c, stored = reader.stored(i, verify)

@@ -34,17 +34,32 @@ Both are imported here (``IOV_MAX`` too), so this module stays the one to import
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import xxhash
 
+from ..codecs import decode_chunk
 from ..format import registry as R
 from ..format.chunks import ChunkTable, check_record_fields, on_grid
-from ..codecs import decode_chunk
 from ..format.container import (
-    END_MARKER, FRAME_SIZE, MAGIC, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, TRAILER_MAGIC, TRAILER_SIZE, check_zero,
-    check_version, next_frame_offset, parse_end_frame, parse_frame, parse_index, parse_preamble, parse_trailer,
+    END_MARKER,
+    FRAME_SIZE,
+    MAGIC,
+    PREAMBLE_SIZE,
+    RECORD_DTYPE,
+    RECORD_STRUCT,
+    TRAILER_MAGIC,
+    TRAILER_SIZE,
+    check_version,
+    check_zero,
+    next_frame_offset,
+    parse_end_frame,
+    parse_frame,
+    parse_index,
+    parse_preamble,
+    parse_trailer,
     xxh3,
 )
 from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedError
@@ -54,8 +69,21 @@ from ..format.sparse import PositionOrder, decode_positions
 from ..format.state import state_tensor_of
 from .events import ChunkEvent, EndEvent, HeaderEvent, Placed
 from .placement import (
-    IOV_MAX, REC_CHECKSUM, REC_CODEC, REC_COMP, REC_COUNT, REC_HEAD0, REC_HEADS, REC_LAYER, REC_OFFSET, REC_RAW,
-    REC_SPEC, REC_STORED, REC_T0, PlacementMixin, head_pieces,
+    IOV_MAX,
+    REC_CHECKSUM,
+    REC_CODEC,
+    REC_COMP,
+    REC_COUNT,
+    REC_HEAD0,
+    REC_HEADS,
+    REC_LAYER,
+    REC_OFFSET,
+    REC_RAW,
+    REC_SPEC,
+    REC_STORED,
+    REC_T0,
+    PlacementMixin,
+    head_pieces,
 )
 from .tensors import view, writable
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codecs import byteplane, quant, torch_dequant as TD
+from ..codecs import byteplane, quant
+from ..codecs import torch_dequant as TD
 from ..codecs.pipeline import lossy_range
 from ..codecs.zstd import checksum_required, decode_body
 from .cuda import StagingRing, host_chunk, int_view, stream_for

@@ -12,22 +12,32 @@ holds (``chunk_arrays``). ``encode_bytes`` joins the buffers into ``bytes`` (the
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
+from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan, native
 from ..format import registry as R
 from ..format.chunks import ChunkTable, PlannedChunk, on_grid
-from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan, native
 from ..format.container import (
-    FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, RECORD_STRUCT, build_end_frame, build_frame, build_index, build_preamble,
-    build_trailer, next_frame_offset, xxh3,
+    FRAME_SIZE,
+    PREAMBLE_SIZE,
+    RECORD_DTYPE,
+    RECORD_STRUCT,
+    build_end_frame,
+    build_frame,
+    build_index,
+    build_preamble,
+    build_trailer,
+    next_frame_offset,
+    xxh3,
 )
 from ..format.crossmodel import with_state_bit
-from ..format.kv_scales import writer_header
 from ..format.errors import FormatError
 from ..format.header import Header, build_header, parse_header
+from ..format.kv_scales import writer_header
 from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
 from .args import check_choice, check_count
 from .tensors import as_numpy, as_uint
@@ -196,7 +206,6 @@ class Encoder:
     def _emit(self, layer: int, component: str, token_start: int, n: int, head_start: int, head_count: int,
               pieces: list, bodies: BodyEncoder | None = None, x=None) -> list:
         """Frame and stored body of one chunk whose raw bytes are ``pieces`` (already checked)."""
-        h = self.header
         bodies = bodies or self._bodies
         raw_length = sum(p.nbytes for p in pieces)
         codec, stored, codec_spec = bodies.codec, pieces, 0

@@ -18,7 +18,8 @@ import os
 import secrets
 import socket
 import stat
-from typing import IO, TYPE_CHECKING, Any, Mapping, Union
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, Any, Union
 
 import xxhash
 
@@ -304,7 +305,7 @@ def load_tensors(source: Source, *, device: Any = None, backend: str | None = No
 
 # -- reading files ------------------------------------------------------------------------
 
-def open(source: Source, *, mmap: bool | None = None,  # noqa: A001
+def open(source: Source, *, mmap: bool | None = None,  # noqa: A001 (kvwire.open, named like the builtin on purpose)
          max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Reader:
     """A ``Reader`` over a path, a bytes-like object or a binary file object.
 

@@ -16,8 +16,9 @@ use the flat ``{"layers.<i>.<component>": tensor}`` naming of safetensors files.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from ..format import registry as R
 from ..format.chunks import PlannedChunk, chunk_plan
@@ -77,7 +78,7 @@ class KVCache:
         first_position: int = 0,
         metadata: Mapping[str, bytes] | None = None,
         **header_fields: Any,
-    ) -> "KVCache":
+    ) -> KVCache:
         """A cache of full-attention layers from per-layer K and V tensors [heads, tokens, head_dim].
 
         Layers may differ in head count, head dims and token count (a layer with fewer
@@ -118,13 +119,13 @@ class KVCache:
         return self.header.num_layers
 
     @property
-    def keys(self) -> "LayerTensors":
+    def keys(self) -> LayerTensors:
         """The K tensor of every layer, a sequence: ``cache.keys[i]`` (``cache.keys(i)``, the
         older call form, still works); None for a layer without K (MLA, state, shared)."""
         return LayerTensors(self, "k")
 
     @property
-    def values(self) -> "LayerTensors":
+    def values(self) -> LayerTensors:
         """The V tensor of every layer, as ``keys``."""
         return LayerTensors(self, "v")
 
@@ -153,7 +154,7 @@ class KVCache:
                     dequantize_array(as_numpy(x), s.v_scale if c == "v" else s.k_scale, dtype))
                 for c, x in self.layers[layer].items()}
 
-    def dequantize(self, dtype: str = "f32") -> "KVCache":
+    def dequantize(self, dtype: str = "f32") -> KVCache:
         """The same cache as values of ``dtype`` ("f32", "bf16" or "f16") without scales: what an
         engine that does not attend in this fp8 format loads (KVW-SCALE-7, crossmodel.md KVW-XM-10).
         Every K/V/LATENT tensor is ``dequantize_layer``'s; the header loses ``kv_scales`` (its bit
@@ -163,7 +164,7 @@ class KVCache:
         header = writer_header(replace(self.header, dtype=dtype, kv_scales=None))
         return KVCache(header, [self.dequantize_layer(i, dtype=dtype) for i in range(self.num_layers)])
 
-    def astype(self, dtype: Any) -> "KVCache":
+    def astype(self, dtype: Any) -> KVCache:
         """The cache with every K/V/LATENT tensor cast to ``dtype`` (a name such as "float32"
         or "bf16", a numpy or torch dtype; floating-point types only): numpy's / torch's own
         cast, rounding to nearest-even, so bf16 -> f32 -> bf16 gives back the same bits.
@@ -190,7 +191,7 @@ class KVCache:
         """"torch" when any tensor is a torch tensor, else "numpy"."""
         return "torch" if any(is_torch(x) for layer in self.layers for _, x in layer_tensors(layer)) else "numpy"
 
-    def to(self, device: Any) -> "KVCache":
+    def to(self, device: Any) -> KVCache:
         """The cache with every tensor on ``device`` ("cpu", "cuda", "cuda:1", a torch.device),
         as ``torch.Tensor.to`` (a tensor already there is not copied). A numpy cache lives on
         the CPU: ``"cpu"`` returns it, any other device is a ValueError (load it with
@@ -227,7 +228,7 @@ class KVCache:
         return {f"layers.{i}.{name}": x for i, layer in enumerate(self.layers) for name, x in layer_tensors(layer)}
 
     @classmethod
-    def from_dict(cls, tensors: Mapping, **from_tensors_args: Any) -> "KVCache":
+    def from_dict(cls, tensors: Mapping, **from_tensors_args: Any) -> KVCache:
         """A full-attention cache from ``{"layers.<i>.k": K, "layers.<i>.v": V}`` (i = 0 ... n-1,
         each [heads, tokens, head_dim]), the naming ``to_dict`` writes; keyword arguments as for
         ``from_tensors`` (``model``, ``first_position``, ``metadata``, header fields). Any other
@@ -269,11 +270,11 @@ class KVCache:
             local = c.token_start - h.layer_tokens[c.layer].start
             yield c, host[:, local : local + c.token_count, :]
 
-    def with_header(self, **changes: Any) -> "KVCache":
+    def with_header(self, **changes: Any) -> KVCache:
         """Same tensors, header fields replaced (e.g. ``chunk_tokens``, ``model``)."""
         return KVCache(replace(self.header, **changes), self.layers)
 
-    def equal(self, other: "KVCache") -> bool:
+    def equal(self, other: KVCache) -> bool:
         """Bit-exact equality of header and every tensor (NaNs compare by bits, so NaN payloads
         must match too, and -0.0 != 0.0), whatever the backend or device of each side. How a
         cache was encoded is not part of it: the codec pipelines a loaded header names

@@ -9,24 +9,38 @@ view into the buffer; ``layer()`` and ``load`` assemble whole layers with one co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..format import registry as R
-from .kvcache import KVCache
-from ..format.chunks import ChunkTable, check_offsets, check_records
 from ..codecs import decode_chunk, native
+from ..format import registry as R
+from ..format.chunks import ChunkTable, check_offsets, check_records
 from ..format.container import (
-    CHUNK_MARKER, END_MARKER, FRAME_SIZE, PREAMBLE_SIZE, RECORD_DTYPE, check_zero, has_trailer, next_frame_offset,
-    parse_end_frame, parse_frame, parse_index, parse_trailer, read_header, xxh3,
+    CHUNK_MARKER,
+    END_MARKER,
+    FRAME_SIZE,
+    PREAMBLE_SIZE,
+    RECORD_DTYPE,
+    check_zero,
+    has_trailer,
+    next_frame_offset,
+    parse_end_frame,
+    parse_frame,
+    parse_index,
+    parse_trailer,
+    read_header,
+    xxh3,
 )
 from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedError
 from ..format.header import Header
-from ..format.state import STATE, state_tensor_of
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
+from ..format.state import STATE, state_tensor_of
 from .args import BACKENDS, check_choice, check_count, check_device, check_index
-from .assemble import fill_layer, resolve_threads, run as run_jobs
+from .assemble import fill_layer, resolve_threads
+from .assemble import run as run_jobs
+from .kvcache import KVCache
 from .tensors import carve, empty, view, writable
 
 if TYPE_CHECKING:
@@ -187,7 +201,7 @@ class Reader:
             c = self.info(i)
             yield c.layer, c.component, c.token_start, self.decode(i, verify, backend)
 
-    def info(self, i: int) -> "ChunkInfo":
+    def info(self, i: int) -> ChunkInfo:
         """Record ``i`` as plain Python values (built for all records on first use: numpy
         scalar access per field would cost more than a small chunk's copy)."""
         if not (isinstance(i, int) and 0 <= i < len(self.records)):
@@ -398,7 +412,7 @@ class Reader:
             self._closer()
             self._closer = None
 
-    def __enter__(self) -> "Reader":
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc) -> None:

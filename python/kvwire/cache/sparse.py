@@ -11,18 +11,25 @@ per token before zstd, and nothing after it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format import registry as R
 from ..codecs import decode_body
 from ..codecs.zstd import checksum_required
+from ..format import registry as R
 from ..format.chunks import PlannedChunk, chunk_plan
 from ..format.header import Header, check_header
 from ..format.sparse import (
-    SPARSE_BIT, PositionOrder, SparseInfo, decode_positions, encode_positions, layer_heads, retained_count,
+    SPARSE_BIT,
+    PositionOrder,
+    SparseInfo,
+    decode_positions,
+    encode_positions,
+    layer_heads,
+    retained_count,
     sparse_components,
 )
 from .tensors import as_numpy, as_uint, carve, dtype_name, empty
@@ -74,7 +81,7 @@ class SparseKVCache:
 
     @classmethod
     def from_heads(cls, dense_header: Header, layers: Sequence[Sequence[Mapping[str, Any]]], *, next_position: int | None = None, method: str = "",
-                   sink_tokens: int = 0, window_tokens: int = 0) -> "SparseKVCache":
+                   sink_tokens: int = 0, window_tokens: int = 0) -> SparseKVCache:
         """A sparse cache with ``dense_header``'s architecture, dtype, model and options;
         retained counts and token_count follow from ``layers``. ``next_position`` defaults
         to the dense header's ``first_position + token_count``."""
@@ -88,7 +95,7 @@ class SparseKVCache:
 
     @classmethod
     def from_mask(cls, dense: KVCache, keep_mask: Sequence[Any], *, method: str = "mask",
-                  **info: Any) -> "SparseKVCache":
+                  **info: Any) -> SparseKVCache:
         """Keep, per (layer, kv head), the tokens where ``keep_mask[layer][head, t]`` is true.
 
         ``keep_mask[layer]`` is a bool array [heads, layer tokens] (H2O, SnapKV, AdaKV, DMS
@@ -116,7 +123,7 @@ class SparseKVCache:
         return cls.from_heads(h, layers, method=method, **info)
 
     @classmethod
-    def streaming(cls, dense: KVCache, sinks: int, window: int) -> "SparseKVCache":
+    def streaming(cls, dense: KVCache, sinks: int, window: int) -> SparseKVCache:
         """StreamingLLM: every head keeps the first ``sinks`` tokens and the last ``window``."""
         h = dense.header
         t = np.arange(h.token_count)
@@ -154,7 +161,7 @@ class SparseKVCache:
                     -1, spec.shape(comp, 1)[2])
 
     @classmethod
-    def from_canonical(cls, header: Header, tensors: Mapping) -> "SparseKVCache":
+    def from_canonical(cls, header: Header, tensors: Mapping) -> SparseKVCache:
         """Inverse of ``canonical_tensors``: ``tensors[(layer, component)]`` split by
         ``retained_counts``."""
         counts = iter(header.sparse.retained_counts)
@@ -176,11 +183,11 @@ class SparseKVCache:
                 host = as_numpy(self.layers[c.layer][c.head][c.component])
             yield c, host[c.token_start : c.token_start + c.token_count]
 
-    def with_header(self, **changes: Any) -> "SparseKVCache":
+    def with_header(self, **changes: Any) -> SparseKVCache:
         """Same tensors, header fields replaced (``chunk_tokens``, ``model``, ``alignment`` ...)."""
         return SparseKVCache(replace(self.header, **changes), self.layers)
 
-    def equal(self, other: "SparseKVCache") -> bool:
+    def equal(self, other: SparseKVCache) -> bool:
         """Bit-exact equality of header, positions and every tensor."""
         if not getattr(other, "is_sparse", False) or self.header != other.header:
             return False

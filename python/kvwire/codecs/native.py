@@ -1,4 +1,4 @@
-"""Optional native decoding of chunk bodies through libkvwire (c/, issue #18).
+"""Optional native decoding of chunk bodies through libkvwire (c/).
 
 Why: the numpy codecs are the reference and stay the default, but they decode at about
 0.6-1.0 GB/s on one core; libkvwire's decoders (the same spec, held to the same
@@ -21,14 +21,19 @@ import ctypes
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ..format import errors as E
 from ..format.container import RECORD_STRUCT
+
+if TYPE_CHECKING:
+    from ..format.header import Header
 
 DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "c" / "libkvwire.so"
 CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
@@ -58,10 +63,10 @@ class NativeError(E.Error, RuntimeError):
 
 _lock = threading.Lock()
 _state = SimpleNamespace(lib=None)  # the loaded library while enabled (one per process)
-_handles: dict = {}  # id(header) -> (weakref to it, handle or None when C cannot take it)
+_handles: dict[int, tuple[weakref.ref[Any], int | None]] = {}  # id(header) -> (weakref to it, handle or None when C cannot take it)
 
 
-def _load(path) -> ctypes.CDLL:
+def _load(path: str | os.PathLike[str]) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.kvw_error_size.restype = ctypes.c_size_t
     lib.kvw_error_size.argtypes = []
@@ -93,7 +98,7 @@ def _load(path) -> ctypes.CDLL:
     return lib
 
 
-def enable(path=None) -> None:
+def enable(path: str | os.PathLike[str] | None = None) -> None:
     """Decode through libkvwire from now on (``path``: the .so; default the checkout's
     ``build/c/libkvwire.so``). Raises OSError when it cannot be loaded."""
     p = Path(path) if path is not None else DEFAULT_PATH
@@ -126,7 +131,7 @@ def _drop_handles() -> None:
     _handles.clear()
 
 
-def _fail(lib, e: _Error, code: int):
+def _fail(lib: ctypes.CDLL, e: _Error, code: int) -> NoReturn:
     name = lib.kvw_code_name(code).decode()
     msg = e.message.decode(errors="replace")
     if code >= _ERR_INVALID_ARGUMENT:
@@ -137,7 +142,7 @@ def _fail(lib, e: _Error, code: int):
     raise _CLASSES.get(name, E.FormatError)(name, f"{msg} (libkvwire)", rule=rule or None)
 
 
-def _handle(header):
+def _handle(header: Header) -> int | None:
     """libkvwire's parsed copy of ``header`` (cached per object), or None when C does not
     take it (the caller then uses numpy)."""
     key = id(header)
@@ -148,7 +153,7 @@ def _handle(header):
     from ..format.header import build_header
     try:
         fb = build_header(header)
-    except Exception:  # noqa: BLE001 -- a header the writer would not emit: stay on numpy
+    except Exception:  # noqa: BLE001  (a header the writer would not emit: stay on numpy)
         fb = None
     h = None
     if fb is not None:
@@ -156,7 +161,7 @@ def _handle(header):
         if lib.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e)) == 0:
             h = out.value
 
-    def _gone(_ref, key=key, h=h, lib=lib):
+    def _gone(_ref: weakref.ref[Any], key: int = key, h: int | None = h, lib: ctypes.CDLL = lib) -> None:
         cur = _handles.get(key)
         if cur is not None and cur[0] is _ref:
             del _handles[key]
@@ -173,9 +178,11 @@ def _handle(header):
     return h
 
 
-def record(header, codec: str, spec_index: int, stored_length: int, raw_length: int, shape: tuple, layer: int,
+def record(header: Header, codec: str, spec_index: int, stored_length: int, raw_length: int,
+           shape: tuple[int, ...], layer: int,
            token_start: int, head: int = 0) -> bytes:
-    """The 56-byte wire record the C decoder needs for a chunk (offset and checksum 0)."""
+    """The 56-byte wire record the C decoder needs for a chunk (offset and checksum 0);
+    ``shape`` is the chunk's [heads, tokens, dim]."""
     heads, tokens, dim = shape
     comp = 0  # K; V when the dim says so (the lossy geometry reads the component's head dim)
     spec = header.arch.layers[layer] if 0 <= layer < header.arch.num_layers else None
@@ -187,7 +194,7 @@ def record(header, codec: str, spec_index: int, stored_length: int, raw_length: 
                         head, heads, spec_index, 0)
 
 
-def _buffer(out, raw_length: int):
+def _buffer(out: Any, raw_length: int) -> tuple[int, int] | None:
     """(address, writable length) of a contiguous writable ``out``, or None."""
     try:
         mv = memoryview(out)
@@ -199,7 +206,7 @@ def _buffer(out, raw_length: int):
     return arr.ctypes.data, arr.nbytes
 
 
-def decode_wire(header, rec: bytes, stored, out=None):
+def decode_wire(header: Header, rec: bytes, stored: Any, out: Any = None) -> Any:
     """Decode one stored body (``rec``: its 56-byte wire record) into ``out`` (a contiguous
     writable buffer of at least raw_length bytes) or a fresh uint8 array. Returns what it
     filled, or None when native decoding is off or C does not take this header."""
@@ -241,7 +248,7 @@ def copy_runs(src: int, n: int, dst: int, run: int, stride: int, checksum: int |
         _fail(lib, e, code)
 
 
-def hash_runs(x: np.ndarray):
+def hash_runs(x: np.ndarray[Any, Any]) -> int | None:
     """XXH3-64 of the bytes of ``x`` [heads, tokens, dim] in C order, hashed in place (one
     run per head; libkvwire's AVX2 XXH3, the GIL released), or None when native is off or a
     head of ``x`` is not one contiguous run."""
@@ -252,10 +259,10 @@ def hash_runs(x: np.ndarray):
     w = x.dtype.itemsize
     if s2 != w or s1 != x.shape[2] * w or s0 < 0 or not x.size:
         return None
-    return lib.kvw_xxh3_runs(x.ctypes.data, x.shape[0], x.shape[1] * x.shape[2] * w, s0)
+    return int(lib.kvw_xxh3_runs(x.ctypes.data, x.shape[0], x.shape[1] * x.shape[2] * w, s0))
 
 
-def takes(header) -> bool:
+def takes(header: Header) -> bool:
     """True when native decoding is on and libkvwire takes ``header`` (its parsed copy is
     then cached): the callers' test before planning a native path."""
     return _state.lib is not None and bool(_handle(header))
@@ -264,7 +271,7 @@ def takes(header) -> bool:
 _ERR_UNSUPPORTED = 1003  # KVW_ERR_UNSUPPORTED
 
 
-def encode_lossy(header, rec: bytes, raw, out=None):
+def encode_lossy(header: Header, rec: bytes, raw: Any, out: Any = None) -> np.ndarray[Any, Any] | None:
     """The lossy body (fp8 / int_affine, no lossless stage) of one chunk: ``raw`` its raw
     bytes, ``rec`` its 56-byte wire record (codec, codec_spec, shape; stored_length unused).
     Returns the body as uint8 (a view of ``out`` when given, a writable buffer of at least
@@ -295,7 +302,7 @@ def encode_lossy(header, rec: bytes, raw, out=None):
     return np.frombuffer(memoryview(out).cast("B"), np.uint8)[: written.value]
 
 
-def decode_chunks(header, items, threads: int = 2) -> list:
+def decode_chunks(header: Header, items: Iterable[tuple[bytes, Any, Any]], threads: int = 2) -> list[Any]:
     """Decode many chunks, ``threads`` at a time (the GIL is released inside libkvwire):
     ``items`` are (record, stored, out) triples as ``decode_wire`` takes them; returns the
     filled outputs in order. Needs native decoding enabled."""
@@ -313,12 +320,12 @@ class _Context:
     """This thread's kvw_decode_ctx (a zstd context and a body buffer that libkvwire reuses
     across calls), freed with the thread's locals: the library itself keeps no state."""
 
-    def __init__(self, lib):
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib, self.ptr = lib, ctypes.c_void_p()
         if lib.kvw_decode_ctx_new(ctypes.byref(self.ptr), None):
             self.ptr = ctypes.c_void_p()  # out of memory: decode without reuse (ctx NULL)
 
-    def __del__(self):
+    def __del__(self) -> None:
         if self.ptr:
             self.lib.kvw_decode_ctx_free(self.ptr)
 
@@ -326,14 +333,14 @@ class _Context:
 _local = threading.local()
 
 
-def _context(lib) -> ctypes.c_void_p:
+def _context(lib: ctypes.CDLL) -> ctypes.c_void_p:
     ctx = getattr(_local, "ctx", None)
     if ctx is None or ctx.lib is not lib:
         ctx = _local.ctx = _Context(lib)
     return ctx.ptr
 
 
-_pools: dict = {}
+_pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def pool(threads: int) -> ThreadPoolExecutor:

@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..tools.cliargs import positive, positive_float
 from .drivers import CommandImpl, default_impl_argv
 from .results import LEVELS
 from .runner import Runner
 from .vectors import find_protocol, find_vectors_root, load_vector_sets
-from ..tools.cliargs import positive, positive_float
 
 
 def _levels(text: str) -> tuple:

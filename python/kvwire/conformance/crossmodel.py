@@ -108,9 +108,9 @@ def identity_map(header) -> tuple:
 
 def produce(model_type: str, root: Path, *, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
     """Prefill, write the container and its soft variants, continue from the original cache."""
-    from ..tools.fidelity import astype
     from ..cache.encoder import iter_buffers
     from ..cache.files import atomic_write, save
+    from ..tools.fidelity import astype
 
     hf, zoo = hf_modules()
     model = zoo.build(model_type, 0)

@@ -40,9 +40,9 @@ def sha256(data) -> str:
 
 def canonical_bytes(array) -> bytes:
     """Canonical bytes of a host array [heads, tokens, head_dim] (C order, little-endian host)."""
-    from ..cache.tensors import as_numpy
-
     import numpy as np
+
+    from ..cache.tensors import as_numpy
 
     return np.ascontiguousarray(as_numpy(array)).tobytes()
 

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-from ..format.errors import FormatError
 from ..cache.files import open as kv_open
+from ..format.errors import FormatError
 from .digests import sha256, tensor_digests
 from .neutral import header_to_json
 from .results import REFERENCE
@@ -310,8 +310,8 @@ class ReferenceImpl:
         return Call("ok", seconds=time.perf_counter() - t0, result=result)
 
     def encode(self, spec: Path, out: Path, work: Path) -> Call:
-        from .impl import read_encode_spec
         from ..cache.encoder import encode_bytes
+        from .impl import read_encode_spec
 
         t0 = time.perf_counter()
         cache, form, codec = read_encode_spec(str(spec))

@@ -32,11 +32,10 @@ def hf_modules():
     """(adapters.hf, adapters.zoo): the optional modules the suite needs, imported on first
     use (the core has no torch)."""
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch  # noqa: F401 (only checks that it imports)
+        import transformers  # noqa: F401 (only checks that it imports)
 
-        from ..adapters import hf
-        from ..adapters import zoo
+        from ..adapters import hf, zoo
     except ImportError as exc:
         raise MissingDependency(f"the cross-model suite needs torch and transformers ({exc}); {INSTALL_HINT}") \
             from None

@@ -16,13 +16,13 @@ import sys
 
 import numpy as np
 
-from ..format import registry as R
+from ..cache.encoder import encode_bytes
+from ..cache.files import open as kv_open
 from ..cache.kvcache import KVCache
+from ..format import registry as R
 from ..format.errors import FormatError
 from ..format.header import Producer
-from ..cache.files import open as kv_open
 from ..version import __version__
-from ..cache.encoder import encode_bytes
 from . import digests as D
 from . import neutral as N
 

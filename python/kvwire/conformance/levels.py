@@ -25,7 +25,6 @@ from .drivers import Call
 from .results import ERROR, FAIL, PASS, SKIP, WARN, CaseResult, worst
 from .vectors import Vector, WriterCase
 
-
 # ---------------------------------------------------------------------------------------
 # Reader level
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,14 @@ from dataclasses import fields
 
 from ..format import registry as R
 from ..format.header import (
-    Architecture, Header, LayerMapEntry, LayerSpec, ModelIdentity, Producer, RopeParams, TokenRange,
+    Architecture,
+    Header,
+    LayerMapEntry,
+    LayerSpec,
+    ModelIdentity,
+    Producer,
+    RopeParams,
+    TokenRange,
 )
 from .digests import tensor_digests
 

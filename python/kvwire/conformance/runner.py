@@ -25,9 +25,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
 
 from .drivers import CommandImpl, ReferenceImpl
 from .levels import check_cell, check_invalid, check_valid, encode_case, prepare_spec

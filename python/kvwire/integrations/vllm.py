@@ -56,21 +56,33 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
 )
 
 from ..adapters.hf_model import arch_from_config
+from ..layouts import gather_slots, scatter_slots
 from ..model.compat import LocalModel, check_compatible
 from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, default_store_url, open_store
-from .vllm_identity import reason_kind, request_identity
 from ..store.auth import Keyring
-from ..layouts import gather_slots, scatter_slots
 from .vllm_engine import engine_layout_of, layer_packing, layer_scales_of, model_config_json, platform_fp8
+from .vllm_identity import reason_kind, request_identity
 from .vllm_pipeline import LayerPipeline, same_scales
 from .vllm_plan import (
-    FP8_TORCH, LoadSpec, ModelKey, RequestState, SaveSpec, cache_dtype_of, chunk_cache, chunks_to_save,
-    layer_index, matched_tokens, slots, tail_to_save,
+    FP8_TORCH,
+    LoadSpec,
+    ModelKey,
+    RequestState,
+    SaveSpec,
+    cache_dtype_of,
+    chunk_cache,
+    chunks_to_save,
+    layer_index,
+    matched_tokens,
+    slots,
+    tail_to_save,
 )
 from .vllm_stats import ConnectorCounts, connector_stats
 

@@ -63,7 +63,7 @@ def _kind(desc: LayoutDescriptor):
     return desc.scope, desc.packing == "separate"  # what container the buffers come in
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def confusions(desc: LayoutDescriptor, raw: bool) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """((other layout name, the axes of ``desc`` it reads differently), ...) for a tensor
     bound to ``desc`` in the given form (``raw``: the raw allocation)."""
@@ -97,7 +97,7 @@ def confusions(desc: LayoutDescriptor, raw: bool) -> tuple[tuple[str, tuple[str,
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def needed_hints(desc: LayoutDescriptor, raw: bool) -> dict[str, tuple[str, ...]]:
     """{bind keyword: names of the layouts it tells apart} that binding ``desc`` in this
     form requires (KVW-BIND-1); empty when the tensor's form says what it holds."""

@@ -18,15 +18,15 @@ Copying between the views and kvwire chunks is the job of the two mixins
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
 from ..cache.cuda import int_view
 from ..cache.tensors import dtype_name
-from ..format.header import EngineLayout, Header
 from ..format.errors import Error
+from ..format.header import EngineLayout, Header
 from .ambiguity import needed_hints
 from .descriptor import LayoutDescriptor, get_layout
 from .gathering import GatherMixin

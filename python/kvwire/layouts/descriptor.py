@@ -278,7 +278,7 @@ def _caller_level() -> int:
     return level
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _deprecated(name: str) -> LayoutDescriptor:
     return dataclasses.replace(LAYOUTS[DEPRECATED[name]], name=name)
 

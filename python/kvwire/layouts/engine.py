@@ -9,13 +9,12 @@ of the engine memory. The header records the layout the cache came from
 
 from __future__ import annotations
 
-
-from ..cache.kvcache import KVCache
-from ..format.chunks import planned_chunks
-from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..format.header import Architecture, Header, LayerSpec
 from ..cache.encoder import Encoder
 from ..cache.files import atomic_write
+from ..cache.kvcache import KVCache
+from ..codecs import DEFAULT_ZSTD_LEVEL
+from ..format.chunks import planned_chunks
+from ..format.header import Architecture, Header, LayerSpec
 from .binding import EngineBuffers, LayoutMismatchError
 
 

@@ -35,15 +35,15 @@ import time
 
 import numpy as np
 
-from ..format.chunks import planned_chunks
-from ..format.errors import Error
-from ..codecs import DEFAULT_ZSTD_LEVEL
 from ..cache.cuda import int_view, stream_for
 from ..cache.encoder import Encoder
-from .binding import EngineBuffers, LayoutMismatchError
-from .ids import id_runs
 from ..cache.files import atomic_write
+from ..codecs import DEFAULT_ZSTD_LEVEL
+from ..format.chunks import planned_chunks
+from ..format.errors import Error
+from .binding import EngineBuffers, LayoutMismatchError
 from .engine import architecture_of
+from .ids import id_runs
 
 
 class RingFullError(Error, TimeoutError):

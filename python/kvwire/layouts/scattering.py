@@ -67,7 +67,7 @@ class ScatterMixin:
             dst[s0 : s0 + k].copy_(vals[j : j + k])
 
     def scatter(self, reader, ids, *, verify: bool = True, stream=None, ring: StagingRing | None = None,
-                registered: bool = False) -> "ScatterHandle":
+                registered: bool = False) -> ScatterHandle:
         """Decode ``reader``'s chunks straight into these buffers at the positions of ``ids``.
 
         Checks the header against the buffers first (``check_header``). CPU buffers: one
@@ -93,7 +93,7 @@ class ScatterMixin:
             return ScatterHandle(None, [None] * h.num_layers)
         return self._scatter_async(reader, a, idx, verify, stream, ring, registered)
 
-    def _scatter_async(self, reader, a, idx, verify, stream, ring, registered) -> "ScatterHandle":
+    def _scatter_async(self, reader, a, idx, verify, stream, ring, registered) -> ScatterHandle:
         h = reader.header
         recs = reader.records
         biggest = int(recs["raw_length"].max()) if len(recs) else 1

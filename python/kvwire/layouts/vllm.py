@@ -24,7 +24,7 @@ Plain torch tensors are enough: nothing here imports vLLM.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from .backends import cpu_layout_name, vllm_kv_packing
 from .binding import EngineBuffers, LayoutMismatchError, follows

@@ -15,8 +15,8 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
-from typing import Callable, Iterable, Mapping
 
 import numpy as np
 

@@ -7,13 +7,14 @@ scheduler decides a hit without loading tensors. The chain itself is
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import numpy as np
 
 from ..format.header import Header
 from ..format.prefix import HASH_SIZE, PREFIX_SCHEME, chain, num_chunks, prefix_root, token_bytes
+
 
 def covered_tokens(header: Header, tokens: Sequence[int], *, fingerprint: bytes | None = None) -> int:
     """How many leading tokens of ``tokens`` (a request from position 0) the cache's chain covers.

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.header import Header, LayerSpec, RopeParams
-from ..format.errors import Error
 from ..cache.tensors import dtype_name, is_torch
+from ..format.errors import Error
+from ..format.header import Header, LayerSpec, RopeParams
 
 if TYPE_CHECKING:
     from ..cache.kvcache import KVCache

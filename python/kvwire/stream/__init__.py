@@ -34,8 +34,8 @@ backend of the store protocol); they still work and warn (``DeprecationWarning``
 import warnings as _warnings
 
 from .fanout import MemorySink, SharedBuffers, encode_shared, fanout
-from .segments import DecodeWriter, Reassembler, read_segments
 from .reader import Layer, LayerReader, Placed, SparseNotSupported
+from .segments import DecodeWriter, Reassembler, read_segments
 from .transport import StreamTimeout, TransferStats
 from .writer import LayerWriter
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
-from ..cache.kvcache import KVCache
 from ..cache.encoder import iter_buffers
+from ..cache.kvcache import KVCache
 from .transport import TransferStats, sender_for
 
 
@@ -37,7 +38,7 @@ class SharedBuffers:
     def freed(self) -> bool:
         return self._refs == 0
 
-    def acquire(self) -> "SharedBuffers":
+    def acquire(self) -> SharedBuffers:
         with self._lock:
             if self._refs == 0:
                 raise RuntimeError("buffers already freed")

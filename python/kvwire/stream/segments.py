@@ -9,19 +9,20 @@ without any segment is ``TRUNCATED`` (KVW-STREAM-7, KVW-STREAM-10).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-from ..format import registry as R
-from ..cache.kvcache import KVCache
-from ..codecs import DEFAULT_ZSTD_LEVEL
-from ..format.errors import LayoutError, TruncatedError
-from ..format.crossmodel import PrefixChain
-from ..format.prefix import HASH_SIZE, PREFIX_SCHEME
-from ..format.header import Header, default_layer_tokens
-from ..cache.tensors import as_numpy
 from ..cache.encoder import Encoder
+from ..cache.kvcache import KVCache
+from ..cache.tensors import as_numpy
+from ..codecs import DEFAULT_ZSTD_LEVEL
+from ..format import registry as R
+from ..format.crossmodel import PrefixChain
+from ..format.errors import LayoutError, TruncatedError
+from ..format.header import Header, default_layer_tokens
+from ..format.prefix import HASH_SIZE, PREFIX_SCHEME
 from .reader import LayerReader, SparseNotSupported
 from .transport import TransferStats, sender_for
 

@@ -181,7 +181,7 @@ def _send_all(call, buffers, timeout=None, fd=None) -> int:
             n = call(bufs[i : i + IOV_MAX])
         else:
             batch = bufs[i : i + IOV_MAX]
-            n = _timed(fd, select.POLLOUT, timeout, lambda: call(batch), lambda: total)
+            n = _timed(fd, select.POLLOUT, timeout, lambda batch=batch: call(batch), lambda total=total: total)
         total += n
         while i < len(bufs) and n >= bufs[i].nbytes:
             n -= bufs[i].nbytes

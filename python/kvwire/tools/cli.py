@@ -12,15 +12,14 @@ import os
 import sys
 from dataclasses import asdict
 
-from ..format import registry as R
-from ..codecs import PRESETS
-from ..format.errors import FormatError
 from ..cache.files import open as kv_open
+from ..cache.files import save
+from ..codecs import PRESETS
+from ..format import registry as R
+from ..format.errors import FormatError
+from ..version import __version__
 from .cliargs import count, positive
 from .synth import synth_cache
-from ..cache.files import save
-from ..version import __version__
-
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 EXIT_STATUSES = """exit status:

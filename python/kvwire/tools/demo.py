@@ -76,10 +76,9 @@ def _build(layers: int, seed: int):
 
 def produce(workdir: Path, layers: int, tokens: int, new_tokens: int) -> dict:
     """Prefill, save, continue: what the receiver must reproduce."""
-    from ..adapters import hf
-    from ..adapters import zoo
-    from ..conformance.generation import forward, greedy, prompt_ids, quiet_torch
+    from ..adapters import hf, zoo
     from ..cache.files import save
+    from ..conformance.generation import forward, greedy, prompt_ids, quiet_torch
 
     with quiet_torch():
         model = _build(layers, 0)
@@ -107,14 +106,13 @@ def produce(workdir: Path, layers: int, tokens: int, new_tokens: int) -> dict:
 def receive(workdir: Path) -> dict:
     """The fresh process: probe the header, check compatibility, load, continue; and time
     the same continuation after recomputing the prefill instead."""
-    from ..adapters import hf
-    from ..adapters import zoo
+    from ..adapters import hf, zoo
+    from ..cache.files import open as kv_open
+    from ..cache.reader import probe
     from ..conformance.generation import forward, greedy, quiet_torch, verdict_json
     from ..format.container import parse_preamble
     from ..format.errors import TruncatedError
     from ..model.compat import check_compatible
-    from ..cache.files import open as kv_open
-    from ..cache.reader import probe
 
     job = json.loads((workdir / "job.json").read_text())
     path = workdir / job["file"]
@@ -190,10 +188,10 @@ def run(layers: int | None = None, tokens: int | None = None, new_tokens: int = 
         timeout: float = 600.0) -> int:
     """The end-to-end demo; falls back to the synthetic one without torch/transformers."""
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch  # noqa: F401 (only checks that it imports)
+        import transformers  # noqa: F401 (only checks that it imports)
 
-        from ..adapters import hf  # noqa: F401
+        from ..adapters import hf  # noqa: F401 (only checks that it imports)
     except ImportError as exc:
         print(f"kvwire demo: the end-to-end demo needs torch and transformers ({exc}).")
         from ..conformance.generation import INSTALL_HINT

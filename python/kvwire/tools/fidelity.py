@@ -18,17 +18,18 @@ torch is imported only by ``HFHook`` and ``prefill_hf``, never at ``import kvwir
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from ..cache.kvcache import KVCache
+from ..cache.encoder import encode_bytes
 from ..cache.files import load
+from ..cache.kvcache import KVCache
 from ..cache.tensors import as_numpy, dtype_name
 from .cliargs import count, positive
 from .progress import Progress
-from ..cache.encoder import encode_bytes
 
 BF16_BITS = 16
 

@@ -13,8 +13,15 @@ from dataclasses import replace
 
 from ..cache.files import open as kv_open
 from ..codecs.policy import (
-    DEFAULT_CODECS, MODELS, SWEEP_BANDWIDTHS, SWEEP_CONTEXTS, ModelCost, parse_bandwidth, parse_codec,
-    parse_model, plan,
+    DEFAULT_CODECS,
+    MODELS,
+    SWEEP_BANDWIDTHS,
+    SWEEP_CONTEXTS,
+    ModelCost,
+    parse_bandwidth,
+    parse_codec,
+    parse_model,
+    plan,
 )
 from ..format import registry as R
 from . import codec_speed

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import registry as R
 from ..cache.kvcache import KVCache
+from ..format import registry as R
 from ..format.header import Architecture, Header, ModelIdentity
 
 
