@@ -114,7 +114,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(MINILM_STAMP) c
 bench-core: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
-# libkvwire (c/, issue #17): the C library, its CLI kvwire-c, test_unit and bench_c into build/c
+# libkvwire (c/): the C library, its CLI kvwire-c, test_unit and bench_c into build/c
 # (c/README.md). Its toolchain: gcc or clang, libzstd-dev, libxxhash-dev; clang also builds the
 # libFuzzer target. Installed with apt-get when missing and root, like redis-server above.
 C_APT := libzstd-dev libxxhash-dev clang pkg-config

@@ -11,7 +11,7 @@ the Python reference (kvwire.save). build/c/bench_c times the C rows (median and
 --repeat samples after one warm-up; open rows average --inner-open calls), this script
 times kvwire.open / Reader.validate / kvwire.load on the same file, and writes
 benchmarks/results/c.md (the table printed to stdout) and c.json (raw samples and config).
-Goals (issue #17): validate >= 0.8x XXH3, open in microseconds.
+Goals: validate >= 0.8x XXH3, open in microseconds.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def render(c_rows, py_rows, config, info, args):
                             ("read_tensor_nocheck_vs_memcpy", "the same, skip_body_checksums", "memcpy of the container")):
         p = c_rows[key]
         L.append(f"| {label} | {ref} | {p['ratio_median']:.2f}x | {p['ratio_min']:.2f}x - {p['ratio_max']:.2f}x |")
-    L += ["", "Goals (issue #17):", "",
+    L += ["", "Goals:", "",
           f"- validate >= 0.8x XXH3: kvw_validate {gbmin(v):.2f} GB/s, {pv['ratio_median']:.2f}x XXH3 in paired runs "
           f"(best runs: {gbmin(v) / xxh:.2f}x): " + ("met" if pv["ratio_median"] >= 0.8 else "NOT met"),
           f"- open in microseconds: kvw_open_file {o['median_ns'] / 1e3:.1f} us, kvw_open (buffer) "

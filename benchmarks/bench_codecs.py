@@ -14,7 +14,7 @@ Rows: ``kvwire.encode(cache, codec=...)`` (buffers consumed, not joined) and
 ``Reader.load()`` (checksums verified, one allocation) for each codec; ``decode body`` is
 the codec alone (``decode_chunk`` over every stored body, no checksum, no assembly). The
 baselines compress each chunk's raw bytes as one frame, as the ``zstd`` codec does.
-``--previous COMMIT`` (default: the numpy kernels before issue #18) adds paired rows: the
+``--previous COMMIT`` (default: the numpy kernels before the native-speed work) adds paired rows: the
 lossy codec of that commit (quant.py and scales.py read with ``git show``) against the current
 one on the same chunks, alternating old/new chunk by chunk; reported as medians of the per-
 chunk time ratios, next to ``one pass``: the time of one in-place fp32 multiply over a chunk's
@@ -54,7 +54,7 @@ CODECS = ["raw", "zstd", "byteplane", "fp8-e4m3", "fp8-e4m3-token", "int8", "int
           "kchan4-vlloyd4", "kchan3-vlloyd2", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
           "vllm-turboquant-3bit-nc", "vllm-int8-per-token-head"]
 LINK_GBPS = 10  # a 10 Gbps link carries 1.25 GB/s
-PREVIOUS = "34011f1cfc98b4f7540bcc7f3daa6b8dc2fb7952"  # numpy codecs before the #18 kernels
+PREVIOUS = "34011f1cfc98b4f7540bcc7f3daa6b8dc2fb7952"  # numpy codecs before the native-speed kernels
 
 
 def previous_quant(commit: str):
@@ -234,8 +234,8 @@ def render(meta: dict, rows: list, base: list, out: Path) -> None:
     if pr:
         t_pass = meta["one_pass_us"]
         budget = meta["chunk_elements"] * 2 / (LINK_GBPS / 8 * 1e9) * 1e6
-        lines += ["", f"Lossy kernels, paired against commit `{meta['previous'][:10]}` (the numpy codecs before issue "
-                  "#18) on the same chunks, old then new back to back; median of per-chunk time ratios. *passes*: "
+        lines += ["", f"Lossy kernels, paired against commit `{meta['previous'][:10]}` (the numpy codecs before the "
+                  "native-speed work) on the same chunks, old then new back to back; median of per-chunk time ratios. *passes*: "
                   f"the new kernel's median chunk time over one in-place fp32 multiply of the chunk's "
                   f"{meta['chunk_elements']} elements ({t_pass:.0f} us in this run). A {LINK_GBPS} Gbps link "
                   f"leaves {budget:.0f} us per bf16 chunk, i.e. {budget / t_pass:.1f} such passes.", "",

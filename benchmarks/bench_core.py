@@ -542,7 +542,7 @@ class Bench:
 
 
 def goals(bench, cache, arrays, ref, pairs):
-    """The issue #18 goals, each a paired comparison in this one run (``paired``):
+    """The fast paths' goals, each a paired comparison in this one run (``paired``):
     kvwire.save against write(2) of the same bytes and against safetensors' save_file, with
     the bounds of the save: XXH3 of the bytes, one memcpy of them (the page-cache copy's share
     of write(2)) and write_all of save's own buffer list with the checksums already computed;
@@ -763,7 +763,7 @@ def render(rows, info, cfg, extra, tgts, goal_rows=()):
              f"safetensors {info['safetensors']}, xxhash {info['xxhash']}, zstandard {info['zstandard']}, "
              f"kvwire {info['kvwire']} @ {info['git']}.\n")
     if goal_rows:
-        L.append("## Goals of issue #18 (paired: reference then kvwire back to back, median of the pair ratios)\n")
+        L.append("## Goals of the fast paths (paired: reference then kvwire back to back, median of the pair ratios)\n")
         L.append("| goal | ratio | result | reference median ms | kvwire median ms | pair ratios |")
         L.append("|---|---:|---|---:|---:|---|")
         for g in goal_rows:

@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         "`*-r0`: KIVI without the 128-token full-precision residual window (the ratio of the quantized part; "
         f"with {a.prompt_tokens}-token prompts the residual is {128 / a.prompt_tokens:.0%} of the tokens).",
         "",
-        "## Goals (issue #4)",
+        "## Goals",
         "",
         goals_table(results),
         "",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Whole loads into caller buffers, per codec: numpy against libkvwire on 1 and N threads (issue #18).
+"""Whole loads into caller buffers, per codec: numpy against libkvwire on 1 and N threads.
 
     make c && .venv/bin/python benchmarks/bench_load.py               # 64 MiB cache (8 layers)
     .venv/bin/python benchmarks/bench_load.py --layers 32 --rounds 7  # 256 MiB

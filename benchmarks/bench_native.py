@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Native (libkvwire over ctypes) against numpy chunk decoding, per codec (issue #18).
+"""Native (libkvwire over ctypes) against numpy chunk decoding, per codec.
 
     make c && .venv/bin/python benchmarks/bench_native.py             # 64 MiB (8 layers)
     .venv/bin/python benchmarks/bench_native.py --layers 32           # 256 MiB, the bench_codecs cache
@@ -186,7 +186,7 @@ def render(meta: dict, rows: list, out: Path) -> None:
              f"{meta['machine']}; load average at start {meta['load']}. GB/s count decoded (raw) bytes of the "
              "non-raw chunks; no checksums, no assembly. *hook*: `decode_chunk` with native on (one thread); "
              "*1t / 2t*: `native.decode_chunks(threads=1/2)`. Outputs byte-identical with numpy (checked)."), "",
-             (f"Goals (issue #18, and issue #19 for its rotated, kchan and turboquant presets): every codec >= "
+             (f"Goals (the rotated, kchan and turboquant presets included): every codec >= "
               f"{GOAL_1} GB/s on one core; int8, fp8, byteplane >= {GOAL_2} GB/s on two."),
              "", "| codec | chunks | numpy GB/s | native hook | native 1t | native 2t | x 1t | x 2t | goal 1 core | goal 2 cores |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -202,7 +202,7 @@ def render(meta: dict, rows: list, out: Path) -> None:
                   (f"Layer 0 of the same cache ({enc[0]['chunks']} chunks of 8 heads x 256 tokens x 128 bf16), "
                    f"{meta['rounds']} paired rounds (numpy `quant.encode` then `native.encode_lossy` into a reused "
                    "buffer), median; GB/s of raw input. Bodies byte-identical (checked). "
-                   f"Goal (issues #18 and #19): >= {GOAL_ENC} GB/s on one core."), "",
+                   f"Goal: >= {GOAL_ENC} GB/s on one core."), "",
                   "| spec | numpy GB/s | native GB/s | x | goal |", "|---|---|---|---|---|"]
         for r in enc:
             lines.append(f"| {r['codec']} | {r['numpy']:.2f} | {r['native']:.2f} | {r['speedup']:.2f} | "

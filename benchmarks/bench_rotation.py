@@ -265,7 +265,7 @@ def main(argv=None) -> int:
             bs=", ".join(f"{x:.1f}" for x in n.get("trained_k_max_over_median") or [])), "", table(rows), ""]
     for name, why in skipped.items():
         md += [f"## {name}: skipped", "", why, ""]
-    md += ["## Goals (issue #19)", "", goals(results, codecs), "", NOTES, ""]
+    md += ["## Goals", "", goals(results, codecs), "", NOTES, ""]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rotation.md").write_text("\n".join(md))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scaling of kvwire's read paths (issue 18, item 3): what each operation costs as a cache grows.
+"""Scaling of kvwire's read paths: what each operation costs as a cache grows.
 
     .venv/bin/python benchmarks/bench_scaling.py            # full run (about 3 minutes)
     .venv/bin/python benchmarks/bench_scaling.py --quick    # smaller sweeps (under 30 s)
@@ -303,7 +303,7 @@ def write(res, summ, env, out):
                  ("memcpy GB/s", num("memcpy_GBps")), ("load/memcpy", num("load_vs_memcpy")),
                  ("validate GB/s", num("validate_GBps")), ("XXH3 GB/s", num("xxh3_GBps")),
                  ("validate/XXH3", num("validate_vs_xxh3"))]
-    md = [f"# kvwire scaling (issue 18, item 3)\n\n{env['date']}, {env['machine']}; load average before the run "
+    md = [f"# kvwire scaling\n\n{env['date']}, {env['machine']}; load average before the run "
           f"{env['loadavg_before']}, after {env['loadavg_after']}; {env['mode']} run, {env['wall_s']:.0f} s. "
           "Warm page cache (each file is read right after it is written). Times are medians; "
           "ratios are medians of alternating (reference, kvwire) pairs.\n\n"

@@ -13,7 +13,7 @@ Variants run round robin (--repeat rounds after one warm-up round), so each sees
 background load; "vs raw" is the median of the per-round ratios to the raw copy. Writes
 benchmarks/results/stream.md and stream.json.
 
-Targets (issue 6): kvwire over TCP >= 80% of the raw socket copy; the first layer usable
+Targets: kvwire over TCP >= 80% of the raw socket copy; the first layer usable
 after <= 2/L of the total transfer time; utilization (TransferStats against a declared
 link bandwidth = the measured raw copy) >= 80%.
 """

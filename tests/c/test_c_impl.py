@@ -1,4 +1,4 @@
-"""libkvwire (c/, issue #17) under the same conformance kit as the Python reference.
+"""libkvwire (c/) under the same conformance kit as the Python reference.
 
 Builds c/ (``make -C c``), runs its unit tests, drives ``build/c/kvwire-c`` through
 ``kvwire conformance run`` at the reader, writer and roundtrip levels (the runner's

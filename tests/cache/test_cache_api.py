@@ -1,4 +1,4 @@
-"""The cache object and the file API a newcomer reaches for first (issue 16, items 3 and 4).
+"""The cache object and the file API a newcomer reaches for first.
 
 ``cache.keys[i]`` / ``cache.values[i]``, ``astype`` / ``to``, ``==`` by content (bits),
 short reprs, ``save``/``load``/``open`` on file objects (BytesIO, files, pipes; seekable or
@@ -270,7 +270,7 @@ def test_file_object_misuse_is_named(tmp_path):
         kvwire.save(12, c)
 
 
-# -- typed keywords (issue 16 item 3) -----------------------------------------------------------
+# -- typed keywords -----------------------------------------------------------
 
 def test_save_and_encode_have_explicit_keywords_with_defaults():
     for fn, extra in ((kvwire.save, "fsync"), (kvwire.encode, "form")):

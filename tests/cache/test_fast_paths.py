@@ -1,4 +1,4 @@
-"""The fast paths of save and load (issue #18): same bytes and same errors as the plain ones.
+"""The fast paths of save and load: same bytes and same errors as the plain ones.
 
 ``save`` writes through ``writev.write_all`` (a container under one batch on the calling
 thread, larger ones in batches to a writer thread) and the encoder packs records

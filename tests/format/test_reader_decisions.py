@@ -1,4 +1,4 @@
-"""Spec 1.0 Final corrections (issue 13): reader behaviour the text now decides.
+"""Spec 1.0 Final corrections: reader behaviour the text now decides.
 
 Each test cites the rule whose text the reference follows; the conformance set
 ``final_1_0`` (conformance/add_final.py) carries the same cases as vectors.

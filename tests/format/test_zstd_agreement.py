@@ -1,5 +1,5 @@
 """One meaning for every valid container (spec section 19, revision 1.4: KVW-CODEC-4,
-KVW-CODEC-5, KVW-EVOL-13; issue 30 item 6).
+KVW-CODEC-5, KVW-EVOL-13).
 
 The same container, every checksum valid, decoded to different tensors with libkvwire (the
 system libzstd) and the numpy path (python-zstandard's libzstd): the two read some corrupt

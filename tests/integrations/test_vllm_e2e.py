@@ -1,4 +1,4 @@
-"""The kvwire connector inside real vLLM engines (issue 15): each test runs vLLM 0.32 (CPU)
+"""The kvwire connector inside real vLLM engines: each test runs vLLM 0.32 (CPU)
 processes from the vLLM venv (``.venv-vllm``, built by ``make test``) on the repository's
 trained model, ``benchmarks/fidelity/model``, with ``tests/vllm_driver.py``.
 

@@ -78,8 +78,7 @@ def test_ident7_multimodal_requests_share_only_before_the_image(tmp_path):
     300..363 serves the same image fully (672 of 700, whole blocks leaving one token), a
     different image, the same image at another position or no image only chunk 0 (256, before
     the image), a salted request nothing; prompt embeddings and an adapter whose files are
-    missing are unbindable, never looked up. Also the connector's store defaults (issue 30
-    item 3): ``memory://`` refused with the reason, no store = ``default_store_url()``."""
+    missing are unbindable, never looked up. Also the connector's store defaults: ``memory://`` refused with the reason, no store = ``default_store_url()``."""
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), VLLM_LOGGING_LEVEL="WARNING",
                XDG_CACHE_HOME=str(tmp_path / "cache"))
@@ -92,6 +91,6 @@ def test_ident7_multimodal_requests_share_only_before_the_image(tmp_path):
     assert got["matched"] == {"same image": 672, "other image": 256, "same image elsewhere": 256, "no image": 256,
                               "image and salt": 0, "prompt embeds": 0, "missing adapter": 0}
     assert got["counts"]["unbindable"] == 2 and got["counts"]["lookups"] == 5
-    # issue 30 item 3: memory:// is refused with the reason; no store = the private per-user directory
+    # memory:// is refused with the reason; no store = the private per-user directory
     assert "memory://" in got["memory_refusal"] and "separate processes" in got["memory_refusal"]
     assert got["default_store"] == f"file://{tmp_path / 'cache' / 'kvwire' / 'store'}"

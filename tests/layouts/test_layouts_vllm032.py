@@ -280,7 +280,7 @@ def test_property_derive_bind_gather_scatter(case):
 
 
 # ---------------------------------------------------------------------------------------
-# Size hints (KVW-BIND-1) and the CPU-backend case of issue #15
+# Size hints (KVW-BIND-1) and the CPU backend's case
 # ---------------------------------------------------------------------------------------
 
 def test_kvw_bind_1_the_cpu_backend_tensor_is_not_accepted_as_nhd():

@@ -2,7 +2,7 @@
 
 A fingerprint absent on both sides is nothing to compare, not a mismatch; present on one side
 only it stays a refusal, whose reason says what to pass to get past it and what that gives up.
-Also the verdict's "lossy:" note (issue 16 item 5). Real tiny transformers models, real
+Also the verdict's "lossy:" note. Real tiny transformers models, real
 subprocesses for the "saved, checked in a fresh process" journey.
 """
 

@@ -1,4 +1,4 @@
-"""The hit query's hot paths, made cheaper for issue 18 (benchmarks/bench_scaling.py), keep
+"""The hit query's hot paths, made cheaper (benchmarks/bench_scaling.py), keep
 their exact results: the prefix chain hashes chunks in place instead of copying them, and a
 KeySpace builds its key root once instead of once per key."""
 

@@ -1,4 +1,4 @@
-"""The built wheel on its own (issue 16, items 2 and 3): what a user who installs the wheel,
+"""The built wheel on its own: what a user who installs the wheel,
 with no checkout around, gets.
 
 The wheel (and the sdist) are built from a copy of the working tree (git's tracked and

@@ -1,5 +1,5 @@
 """The file store owns only its objects and is private by default (spec/store.md section 3,
-KVW-STORE-28..35; issue 30: a ``kvwire store gc`` pointed through a ``..`` URL at ``/etc``
+KVW-STORE-28..35; once, a ``kvwire store gc`` pointed through a ``..`` URL at ``/etc``
 emptied it, a symlinked directory inside a store led puts, gets and deletes outside it,
 and stores were world-readable in a world-writable ``/tmp``).
 
@@ -134,7 +134,7 @@ def test_store28_deleting_refuses_a_directory_without_the_marker(tmp_path):
 # -- KVW-STORE-34: only kvwire objects ---------------------------------------------------------
 
 def test_store34_gc_of_a_directory_of_other_files_deletes_nothing(tmp_path, capsys):
-    """KVW-STORE-28, 29, 34: issue 30's /etc: every gc mode, pointed at a directory that holds
+    """KVW-STORE-28, 29, 34: the /etc case: every gc mode, pointed at a directory that holds
     other files (directly or through '..'), deletes nothing."""
     etc = tmp_path / "etc"
     (etc / "ssl").mkdir(parents=True)

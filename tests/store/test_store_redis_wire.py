@@ -107,7 +107,7 @@ def test_store23_leading_is_one_script_and_stops_at_the_first_miss(redis_url):
 
 
 def test_store21_put_sends_the_encoders_buffers_without_a_full_copy(redis_url):
-    """KVW-STORE-21 and issue 14's zero-copy write: a 32 MiB object given as buffers is
+    """KVW-STORE-21 and the zero-copy write: a 32 MiB object given as buffers is
     sent with well under one object's worth of Python allocations."""
     s = open_store(redis_url, timeout=10)
     data = np.random.default_rng(0).integers(0, 255, 32 << 20, dtype=np.uint8)

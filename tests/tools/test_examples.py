@@ -1,5 +1,4 @@
-"""Every script in examples/ runs as its docstring says and shows what it claims (issue 16,
-item 8): run as a user would, in a subprocess from the repository root, with small sizes.
+"""Every script in examples/ runs as its docstring says and shows what it claims: run as a user would, in a subprocess from the repository root, with small sizes.
 
 Why: examples that are not run rot first. Each test checks the example's own verdict
 (exit status) and the figures it prints, so an example that silently stops doing what it

@@ -42,7 +42,7 @@ kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint
 /* Decode the quantized part of an int_affine body whose spec uses rotation, the gaussian
  * codebook or 3-bit codes (KVW-ROT-3..6), row by row, into out; also any 2-4 bit int_affine
  * body that kvwc_rot_fused_fits (AVX2, D % 8 == 0, scales per channel or per whole register:
- * the fused AVX2 rows, issue #19's decode goal for the unrotated values of its presets). */
+ * the fused AVX2 rows, the decode goal for the unrotated values of its presets). */
 int kvwc_rot_fused_fits(const kvw_codec_spec *s, const kvwc_geom *g);
 kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                          const uint8_t *params, const uint8_t *codes, uint8_t *out,

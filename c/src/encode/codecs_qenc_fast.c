@@ -1,5 +1,5 @@
 /*
- * Lossy encoders, fused fast path (issue #18): the common case of codecs_qenc.c (one
+ * Lossy encoders, fused fast path: the common case of codecs_qenc.c (one
  * contiguous chunk, every group inside the safe range of section 3.1) in one or two
  * cache-resident passes per group, with the header dtype fixed per specialised loop so
  * that the compiler vectorises the extremes and the quantisation. Same fp32 arithmetic as

@@ -8,7 +8,7 @@
  * bytes a reader produces, so the writer checks it on exactly those bytes (the decoder of
  * codecs_rot.c) and refuses the chunk (KVW_ERR_UNSUPPORTED: stored losslessly) when a
  * finite element decodes to a non-finite value or a nonzero row (group, unrotated) to zeros.
- * The fast path (kvwc_rot_qenc_fast, issue #18) never needs that decode: inside the band the
+ * The fast path (kvwc_rot_qenc_fast) never needs that decode: inside the band the
  * rule holds by construction, and outside it the careful path encodes and checks. With AVX2
  * it loads, bounds and rotates a row in one pass (simd/rot_avx2.c), and the gaussian
  * codebook over channel groups works on eight rows at a time while they sit in L1.

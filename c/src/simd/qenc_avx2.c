@@ -1,5 +1,5 @@
 /*
- * AVX2 kernels of the fused int_affine encoder for groups along channels (issue #18): the
+ * AVX2 kernels of the fused int_affine encoder for groups along channels: the
  * group extremes, parameters and codes of codecs_qenc_fast.c eight elements at a time,
  * selected at run time (simd/simd.h: kvw_simd_qch) so that the library still runs on any x86-64.
  * The values are the portable path's exactly: every conversion to fp32 is exact, the

@@ -8,7 +8,7 @@
  * (a + b in the lower position, a - b in the upper, from the same pair), stages h >= 8 add
  * and subtract whole registers; a 128-channel block is sixteen registers. Only the target
  * attribute differs from the portable build (no -march), so any x86-64 runs the library.
- * Also here (issue #18): the fused row decoder (codes -> levels -> butterflies -> bf16 with
+ * Also here: the fused row decoder (codes -> levels -> butterflies -> bf16 with
  * the row in registers) and the encoder's kernels (load + rotate, group sums of squares a
  * lane per row, gaussian codes), each the portable loops' operations in their order.
  */

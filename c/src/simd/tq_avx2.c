@@ -1,6 +1,6 @@
 /*
  * The turboquant writer's row step (codecs_tq.c, spec/codecs.md section 9) compiled for AVX2,
- * chosen at run time by codecs_tq.c when the CPU has it (issue #18: the scalar loops ran the
+ * chosen at run time by codecs_tq.c when the CPU has it (the scalar loops ran the
  * encoder at a fifth of the 1 GB/s goal). The same fp32 operations as the portable loop, value
  * for value: y / den lane by lane, the sign xor, KVW-ROT-6's butterflies (kvwc_rot_row_avx2),
  * y * cb, then u = #{ j : y >= M_j } from ordered compares against the positive midpoints

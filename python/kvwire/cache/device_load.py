@@ -4,7 +4,7 @@ lossy chunks dequantized on the device.
 Why its own module: the ring and streams (``cuda``) are shared with the engine scatter
 paths; this is the one consumer that decides per chunk what crosses the link. Raw bodies
 are staged (or, ``registered=True``, copied from page-locked container bytes) as they are;
-lossless codecs are decoded on the host; fp8 and int_affine bodies (issue #18) cross as
+lossless codecs are decoded on the host; fp8 and int_affine bodies cross as
 their lossy body (sink and residual tokens, scales, zeros, packed codes: 0.3-0.5 of the
 decoded bytes), after the lossless stage and the parameter checks on the host, and
 ``codecs.torch_dequant`` decodes them on the device, bit-exact with the numpy decoder.
@@ -61,7 +61,7 @@ def load_to_device(reader, device, *, verify: bool = True, ring: StagingRing | N
                 pending.pop(0)
             continue
         lossy = lossy_body(reader, j, c, stored) if device_dequant else None
-        if lossy is not None:  # compressed over the link, dequantized on the device (issue #18)
+        if lossy is not None:  # compressed over the link, dequantized on the device
             spec, lay, body = lossy
             slot = ring.acquire(lay.length)
             host = ring.host[slot][: lay.length]

@@ -1,5 +1,5 @@
 """Lossy decoding (``fp8``, ``int_affine``; spec/codecs.md) as torch kernels, so a body
-copied compressed to a GPU is dequantized where its output lives (issue #18).
+copied compressed to a GPU is dequantized where its output lives.
 
 Same arithmetic as ``quant.decode``: fp32, separate mul and add (no FMA), one
 round-to-nearest-even to the header dtype, canonical NaN (KVW-LOSSY-4), infinity on

@@ -2,7 +2,7 @@
 directory a kvwire store, who may own it, and how a path inside it is reached.
 
 Why a module of its own: a store that deletes files is dangerous in the wrong directory
-(issue 30: a ``gc`` pointed through a ``..`` URL at ``/etc`` emptied it), so everything
+(a ``gc`` once pointed through a ``..`` URL at ``/etc`` emptied it), so everything
 that decides *which* files kvwire may touch lives here, small enough to read at once:
 
 - the **marker** ``DIR/.kvwire-store`` that kvwire writes when it creates (or an operator
