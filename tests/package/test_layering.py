@@ -28,7 +28,7 @@ import kvwire
 
 PKG = pathlib.Path(kvwire.__file__).parent
 LAYERS = [  # lowest first; names in one set share a layer
-    {"version"},
+    {"version", "deprecation"},
     {"format"},
     {"codecs"},
     {"cache"},

@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from ..codecs import DEFAULT_ZSTD_LEVEL, BodyEncoder, CodecGrowthWarning, CodecPlan, native
+from ..deprecation import former_names
 from ..format import registry as R
 from ..format.chunks import ChunkTable, PlannedChunk, on_grid
 from ..format.container import (
@@ -338,11 +339,7 @@ def encode_bytes(cache: KVCache | SparseKVCache, **opts: Any) -> bytes:
     return b"".join(iter_buffers(cache, **opts))
 
 
-def __getattr__(name: str):
-    """``encode``, the former name of ``encode_bytes``: deprecated, one public ``encode``
-    (``kvwire.encode``) is enough."""
-    if name == "encode":
-        warnings.warn("kvwire.cache.encoder.encode is deprecated; use kvwire.encode (typed keywords) or "
-                      "kvwire.cache.encoder.encode_bytes (the same function)", DeprecationWarning, stacklevel=2)
-        return encode_bytes
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``encode``, the former name of ``encode_bytes``: one public ``encode`` (``kvwire.encode``) is enough
+__getattr__ = former_names(__name__, lambda name: (encode_bytes, "kvwire.encode (typed keywords) or "
+                                                   "kvwire.cache.encoder.encode_bytes (the same function)")
+                           if name == "encode" else None)

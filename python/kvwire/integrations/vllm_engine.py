@@ -24,6 +24,7 @@ import json
 import logging
 import os
 
+from ..deprecation import former_names
 from ..format.header import EngineLayout
 from ..layouts import (
     CPU_HEADER_LAYOUTS,
@@ -173,12 +174,4 @@ def _moved(name: str):
     return None
 
 
-def __getattr__(name: str):
-    moved = _moved(name)
-    if moved is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    warnings.warn(f"kvwire.integrations.vllm_engine.{name} is deprecated and will be removed in the next release: "
-                  f"use {moved[1]}", DeprecationWarning, stacklevel=2)
-    return moved[0]
+__getattr__ = former_names(__name__, _moved)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cache.kvcache import KVCache
+from ..deprecation import former_names
 from ..format.header import Architecture, Header, TokenRange
 from ..model.identity import config_fingerprint, make_identity, weights_fingerprint
 from ..store.keys import KeySpace, codec_fidelity
@@ -271,12 +272,4 @@ def _moved(name: str):
             "scatter_layer": (_scatter_layer, "kvwire.layouts.scatter_slots")}.get(name)
 
 
-def __getattr__(name: str):
-    moved = _moved(name)
-    if moved is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    warnings.warn(f"kvwire.integrations.vllm_plan.{name} is deprecated and will be removed in the next release: "
-                  f"use {moved[1]}", DeprecationWarning, stacklevel=2)
-    return moved[0]
+__getattr__ = former_names(__name__, _moved)

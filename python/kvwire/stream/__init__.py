@@ -31,8 +31,8 @@ same as ``kvwire.Reader``, the container reader, and ``kvwire.store.MemoryStore`
 backend of the store protocol); they still work and warn (``DeprecationWarning``).
 """
 
-import warnings as _warnings
 
+from ..deprecation import former_names
 from .fanout import MemorySink, SharedBuffers, encode_shared, fanout
 from .reader import Layer, LayerReader, Placed, SparseNotSupported
 from .segments import DecodeWriter, Reassembler, read_segments
@@ -47,11 +47,9 @@ __all__ = [
 _RENAMED = {"Reader": "LayerReader", "Writer": "LayerWriter", "MemoryStore": "MemorySink"}  # old -> new
 
 
-def __getattr__(name: str):
-    """The deprecated names: the same objects as their new names, with a ``DeprecationWarning``."""
+def _moved(name: str) -> tuple[object, str] | None:
     new = _RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn(f"kvwire.stream.{name} is deprecated; use kvwire.stream.{new} (the same class)",
-                   DeprecationWarning, stacklevel=2)
-    return globals()[new]
+    return None if new is None else (globals()[new], f"kvwire.stream.{new} (the same class)")
+
+
+__getattr__ = former_names(__name__, _moved)  # the deprecated names, with a DeprecationWarning
