@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -67,16 +68,15 @@ def fill_layer(reader, layer: int, out: dict, verify: bool, jobs: list | None) -
     for comp in spec.components:
         dst = out[comp]
         on_host = not is_torch(dst) or dst.device.type == "cpu"
-        host = as_numpy(dst) if on_host else None
-        host_u = as_uint(host) if on_host else None
+        host_u = as_uint(as_numpy(dst)) if on_host else None
         base = int(reader.grid.base[layer, R.COMPONENTS[comp]])
-        fast = jobs is not None and on_host and runs_contiguous(host_u)
+        fast = jobs if jobs is not None and host_u is not None and runs_contiguous(host_u) else None  # native work
         for j in range(reader.num_chunks(layer, comp)):
             i = int(reader.slot_records[base + j])
             a = reader.info(i).token_start - r.start
-            if fast:
-                jobs.append((i, host_u, a))
-            elif on_host:
+            if fast is not None:
+                fast.append((i, host_u, a))
+            elif host_u is not None:
                 _numpy_one(reader, i, host_u, a, verify)
             else:
                 src = reader.decode(i, verify, "torch")
@@ -109,7 +109,7 @@ def _one(reader, job, verify: bool) -> None:
     native.copy_runs(tmp.ctypes.data, c.raw_length, addr, run, stride)
 
 
-def run(reader, jobs: list, verify: bool, threads: int) -> None:
+def run(reader, jobs: list | None, verify: bool, threads: int) -> None:
     """Do ``jobs`` on ``threads`` threads (the caller's among them). On failure, every
     worker stops at its next chunk and the error of the lowest chunk index met is raised;
     the destinations then hold partial data, as after a failing serial load."""
@@ -124,7 +124,8 @@ def run(reader, jobs: list, verify: bool, threads: int) -> None:
                 _numpy_one(reader, i, host_u, a, verify)
         return
     reader.info(0)  # the record table as Python values, built once before the workers
-    lock, state = threading.Lock(), {"next": 0, "errors": []}
+    lock = threading.Lock()
+    state: dict[str, Any] = {"next": 0, "errors": []}
 
     def work():
         while True:

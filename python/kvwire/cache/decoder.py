@@ -281,15 +281,16 @@ class StreamDecoder(PlacementMixin):
         canonical lengths), without numpy; None for anything else, which then goes to
         ``check_record_fields``. Accepts only what that check accepts (tested)."""
         (_, stored, raw, _, t0, n, layer, comp, codec, flags, head_start, head_count, r0, r1) = rec
-        if self._geom is None or layer >= self.header.num_layers or comp > _PLAIN_COMPONENT or flags or r0 or r1 or head_start \
-                or codec > _PLAIN_CODEC or stored == 0:
+        hdr = self.header
+        if self._geom is None or hdr is None or layer >= hdr.num_layers or comp > _PLAIN_COMPONENT or flags or r0 \
+                or r1 or head_start or codec > _PLAIN_CODEC or stored == 0:
             return None
         heads, dims, start, stop, base = self._geom
         h = heads[layer][comp]
         if h == 0 or head_count != h:
             return None
-        C, lo = self.header.chunk_tokens, start[layer]
-        if not on_grid(t0, n, C, lo, stop[layer]) or raw != h * n * dims[layer][comp] * self.header.itemsize:
+        C, lo = hdr.chunk_tokens, start[layer]
+        if not on_grid(t0, n, C, lo, stop[layer]) or raw != h * n * dims[layer][comp] * hdr.itemsize:
             return None
         if codec == R.CODECS["raw"] and stored != raw:
             return None
@@ -364,6 +365,7 @@ class StreamDecoder(PlacementMixin):
     def _end(self, body: bytes) -> None:
         count, digest = parse_end_frame(body)
         n = len(self._records) // 56
+        assert self._filled is not None  # set with the header
         if count != n or digest != self._digest.intdigest():
             raise LayoutError("INDEX_MISMATCH", "end frame count/digest disagree with the chunk frames",
                               rule="KVW-STREAM-1")

@@ -39,11 +39,13 @@ from ..format.crossmodel import with_state_bit
 from ..format.errors import FormatError
 from ..format.header import Header, build_header, parse_header
 from ..format.kv_scales import writer_header
-from ..format.sparse import PositionOrder, encode_positions, layer_heads, sparse_components
+from ..format.sparse import PositionOrder, SparseTable, encode_positions, layer_heads, sparse_components
 from .args import check_choice, check_count
 from .tensors import as_numpy, as_uint
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from .kvcache import KVCache
     from .sparse import SparseKVCache
 
@@ -116,6 +118,7 @@ class Encoder:
         C = h.chunk_tokens
         if not on_grid(token_start, n, C, r.start, r.stop):
             raise ValueError(f"tokens [{token_start}, {token_start + n}) are not one chunk of layer {layer}'s grid")
+        assert isinstance(self._table, ChunkTable)  # a dense header's
         slot = self._table.slot(layer, R.COMPONENTS[component], token_start, C)
         if self._filled[slot]:
             raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
@@ -139,6 +142,7 @@ class Encoder:
         if not on_grid(token_start, token_count, h.chunk_tokens, r.start, r.stop):
             raise ValueError(f"tokens [{token_start}, {token_start + token_count}) are not one chunk of layer "
                              f"{layer}'s grid")
+        assert isinstance(self._table, ChunkTable)  # a dense header's
         slot = self._table.slot(layer, R.COMPONENTS[component], token_start, h.chunk_tokens)
         if self._filled[slot]:
             raise ValueError(f"chunk (layer {layer}, {component}, token {token_start}) already written")
@@ -165,11 +169,12 @@ class Encoder:
         if self._filled[slot]:
             raise ValueError(f"state chunk (layer {layer}, tensor {index}) already written")
         self._filled[slot] = True
-        raw = memoryview(np.ascontiguousarray(as_uint(x)).reshape(-1)).cast("B")
+        raw = np.ascontiguousarray(as_uint(x)).reshape(-1).data.cast("B")
         return self._emit(layer, "state", 0, h.token_count, index, 1, [raw])
 
     def _sparse_chunk(self, layer: int, component: str, token_start: int, data, head: int) -> list:
         h, t = self.header, self._table
+        assert h.sparse is not None and self._order is not None and isinstance(t, SparseTable)  # a sparse header's
         spec = h.arch.layers[layer]
         if component not in sparse_components(spec) or not 0 <= head < layer_heads(spec):
             raise ValueError(f"layer {layer} ({spec.kind}) has no component {component!r} head {head}")
@@ -196,7 +201,7 @@ class Encoder:
         self._filled[slot] = True
         u = as_uint(x)
         return self._emit(layer, component, token_start, n, head, 1,
-                          [memoryview(u if u.flags.c_contiguous else np.ascontiguousarray(u)).cast("B")], x=x[None])
+                          [(u if u.flags.c_contiguous else np.ascontiguousarray(u)).data.cast("B")], x=x[None])
 
     def put(self, chunk: PlannedChunk, data: Any) -> list:
         """Buffers of one planned chunk (``format.chunks.chunk_plan``), whatever its kind."""
@@ -240,7 +245,7 @@ class Encoder:
             frame_at + FRAME_SIZE, stored_length, raw_length, checksum, token_start, n, layer,
             R.COMPONENTS[component], R.CODECS[codec], 0, head_start, head_count, codec_spec, 0)
         self._records.append(rec)
-        frame = build_frame(memoryview(rec))
+        frame = build_frame(memoryview(rec))  # type: ignore[arg-type]  # anything with tobytes() does
         out = [bytes(frame_at - self._pos) + frame if frame_at > self._pos else frame, *stored]
         self._pos = frame_at + FRAME_SIZE + stored_length
         return out
@@ -286,7 +291,7 @@ def body_pieces(u: np.ndarray) -> list:
     (tests/layouts/test_offload.py counts them). The usual layout is tested once for all heads."""
     if u.strides[2] == u.itemsize and (u.shape[1] == 1 or u.strides[1] == u.shape[2] * u.itemsize):
         return [memoryview(u[h]).cast("B") for h in range(u.shape[0])]
-    return [memoryview(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).cast("B") for hd in u]
+    return [(hd if hd.flags.c_contiguous else np.ascontiguousarray(hd)).data.cast("B") for hd in u]
 
 
 def _caller_level() -> int:
@@ -294,7 +299,8 @@ def _caller_level() -> int:
     import os
     import sys
 
-    root, level, frame = os.path.dirname(os.path.dirname(__file__)), 1, sys._getframe(1)
+    root, level = os.path.dirname(os.path.dirname(__file__)), 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(root):
         frame, level = frame.f_back, level + 1
     return level

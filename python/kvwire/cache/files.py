@@ -76,7 +76,7 @@ def remove_stale_temps(target: str) -> list[str]:
     run (killed mid-save); returns the paths removed. Temporaries of live writers, and of
     other hosts sharing the directory, are left alone."""
     d, base = os.path.split(target)
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(d or ".")
     except OSError:
@@ -330,10 +330,12 @@ def open(source: Source, *, mmap: bool | None = None,  # noqa: A001 (kvwire.open
     check_choice("mmap", mmap, (None, True, False))
     max_decoded_bytes = check_count("max_decoded_bytes", max_decoded_bytes)
     if isinstance(source, (str, os.PathLike)):
+        fd: int | None
         fd, st = open_regular(source)
         guard = closer = None
         try:
             use_map = only_this_user_can_write(st) if mmap is None else mmap
+            buf: bytes | memoryview
             if st.st_size == 0:
                 buf = b""
             elif use_map:
@@ -350,21 +352,22 @@ def open(source: Source, *, mmap: bool | None = None,  # noqa: A001 (kvwire.open
             if closer:
                 closer()
             raise
+    data: Any = source  # a bytes-like object, or a binary file object until it is read
     try:
-        memoryview(source)
+        memoryview(data)
     except TypeError:
-        if not callable(getattr(source, "read", None)):
+        if not callable(getattr(data, "read", None)):
             raise TypeError(f"kvwire.open() needs a path (str or os.PathLike), a binary file object or a bytes-like "
-                            f"object, not {type(source).__name__}") from None
+                            f"object, not {type(data).__name__}") from None
         if mmap:
             raise ValueError("mmap=True maps a file: pass its path, not a file object") from None
-        source, mmap = source.read(), None  # the reader's own bytes
-        if not isinstance(source, bytes):
+        data, mmap = data.read(), None  # the reader's own bytes
+        if not isinstance(data, bytes):
             raise TypeError(f"kvwire.open() needs a binary file object (mode 'rb'); read() gave "
-                            f"{type(source).__name__}") from None
+                            f"{type(data).__name__}") from None
     if mmap:
         raise ValueError("mmap=True maps a file: pass a path, or a buffer with mmap=None/False")
-    return Reader(bytes(source) if mmap is False else source, max_decoded_bytes=max_decoded_bytes)
+    return Reader(bytes(data) if mmap is False else data, max_decoded_bytes=max_decoded_bytes)
 
 
 def load(source: Source, *, device: Any = None, backend: str | None = None, verify: bool = True,

@@ -41,7 +41,7 @@ class KVCache:
 
     __slots__ = ("header", "layers")
 
-    def __init__(self, header: Header, layers: Sequence[Mapping[str, object]]):
+    def __init__(self, header: Header, layers: Sequence[Mapping[str, Any]]):
         if not isinstance(header, Header):
             raise TypeError(f"header must be a kvwire.Header, not {type(header).__name__} (KVCache.from_tensors "
                             "builds one from per-layer K and V tensors)")
@@ -260,7 +260,9 @@ class KVCache:
         """(PlannedChunk, array) of every chunk in canonical order (``chunk_plan``): the
         token slice [heads, tokens, dim] of a component, or a whole state tensor. A torch
         tensor is brought to the host once, not once per chunk."""
-        h, key, host = self.header, None, None
+        h = self.header
+        key: tuple[int, str] | None = None
+        host: Any = None
         for c in chunk_plan(h):
             if c.component == "state":
                 yield c, self.layers[c.layer]["state"][h.arch.layers[c.layer].state_tensors[c.head].name]
@@ -299,7 +301,8 @@ class KVCache:
         array, never identity)."""
         return self.equal(other) if isinstance(other, KVCache) else NotImplemented
 
-    __hash__ = None  # mutable tensors: equal by content, so not hashable
+    # mutable tensors: equal by content, so not hashable
+    __hash__ = None  # type: ignore[assignment]  # None marks it unhashable, as in typeshed
 
     def __repr__(self) -> str:
         h = self.header

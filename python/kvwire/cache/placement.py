@@ -14,10 +14,15 @@ The record field indices (``REC_*``) are shared with the state machine.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..format import registry as R
 from ..format.container import FRAME_SIZE, PREAMBLE_SIZE, next_frame_offset
+from ..format.header import Header
 from .events import Placed
 from .tensors import as_numpy, as_uint
 
@@ -35,18 +40,45 @@ def head_pieces(x) -> list:
     """Writable byte views of an array whose heads each have contiguous rows."""
     u = as_uint(as_numpy(x))
     if u.flags.c_contiguous:
-        return [memoryview(u).cast("B")]
-    return [memoryview(u[i]).cast("B") for i in range(u.shape[0])]
+        return [u.data.cast("B")]
+    return [u[i].data.cast("B") for i in range(u.shape[0])]
 
 
 class PlacementMixin:
     """Placement and read-into input of ``StreamDecoder``; the state and the state machine are the decoder's."""
 
+    # the decoder's state, set up by StreamDecoder.__init__ (described there)
+    placement: Callable[[int, str, int, int], Any] | None
+    header: Header | None
+    _mode: str | None
+    _pending: deque
+    _scratch: bytearray
+    _dst: Any
+    _dst_pieces: list | None
+    _pieces: list | None
+    _got: int
+    _cap: int
+    _base: int
+    _pos: int
+    _state: str
+    _hlen: int
+    _rec: tuple | None
+    _records: bytearray
+
+    if TYPE_CHECKING:  # the decoder's state machine and input
+        def _advance(self) -> Any: ...
+        def _append(self, data) -> None: ...
+        def _set_mode(self, mode: str) -> None: ...
+        @property
+        def received(self) -> int: ...
+
     def _place(self, rec) -> tuple:
         """(data, pieces or None) of the placement for this record, or (None, None)."""
         if self.placement is None:
             return None, None
-        if self.header.sparse is not None:
+        h = self.header
+        assert h is not None  # a record comes after the header
+        if h.sparse is not None:
             raise ValueError("placement is not supported for sparse containers (chunks hold one head each)")
         layer, comp = rec[REC_LAYER], R.COMPONENT_BY_CODE[rec[REC_COMP]]
         t0, n = rec[REC_T0], rec[REC_COUNT]
@@ -59,10 +91,10 @@ class PlacementMixin:
                                  f"{rec[REC_RAW]} bytes")
             return dst.data, list(dst.pieces)
         x = as_numpy(dst)
-        shape = self.header.arch.layers[layer].shape(comp, n)
-        if tuple(x.shape) != shape or x.dtype != R.DTYPES[self.header.dtype][2]:
+        shape = h.arch.layers[layer].shape(comp, n)
+        if tuple(x.shape) != shape or x.dtype != R.DTYPES[h.dtype][2]:
             raise ValueError(f"placement for layer {layer} {comp} tokens {t0}+{n}: {tuple(x.shape)} {x.dtype}, "
-                             f"need {shape} {self.header.dtype}")
+                             f"need {shape} {h.dtype}")
         if not x.flags.writeable or (x.shape[0] and not x[0].flags.c_contiguous):  # heads share strides
             raise ValueError("placement arrays must be writable with each head's rows contiguous")
         return dst, None
@@ -81,18 +113,19 @@ class PlacementMixin:
                     self._dst_pieces = head_pieces(self._dst)
                 self._pieces = self._dst_pieces
             else:  # np.empty: pages are committed only as the bytes land
-                self._pieces = [memoryview(np.empty(stored, np.uint8))]
+                self._pieces = [np.empty(stored, np.uint8).data]
             self._cap = stored
         else:
             self._cap = min(stored, BODY_FIRST)
-            self._pieces = [memoryview(np.empty(self._cap, np.uint8))]
+            self._pieces = [np.empty(self._cap, np.uint8).data]
         self._got = 0
 
     def _grow_body(self) -> None:
         """The full receive buffer of a compressed body, doubled (at most to its ``stored_length``)."""
+        assert self._pieces is not None and self._rec is not None  # a compressed body being received
         old = self._pieces[0]
         self._cap = min(self._rec[REC_STORED], 2 * self._cap)
-        new = memoryview(np.empty(self._cap, np.uint8))
+        new = np.empty(self._cap, np.uint8).data
         new[: self._got] = old[: self._got]
         self._pieces = [new]
         old.release()
@@ -113,12 +146,14 @@ class PlacementMixin:
                     self._scratch = bytearray(TAIL_READ)
                 return [memoryview(self._scratch)]
             if self._state == "body" and self._pieces is not None:
-                if self._got == self._cap < self._rec[REC_STORED]:
+                rec = self._rec
+                assert rec is not None and self.header is not None  # in a body
+                if self._got == self._cap < rec[REC_STORED]:
                     self._grow_body()
                 targets = self._remaining_pieces()
-                if len(targets) < IOV_MAX and self._cap == self._rec[REC_STORED]:
+                if len(targets) < IOV_MAX and self._cap == rec[REC_STORED]:
                     # read ahead: padding and the next frame always follow a body
-                    end = self._rec[REC_OFFSET] + self._rec[REC_STORED]
+                    end = rec[REC_OFFSET] + rec[REC_STORED]
                     ahead = next_frame_offset(end, self.header.alignment) + FRAME_SIZE - end
                     if len(self._scratch) < ahead:
                         self._scratch = bytearray(ahead)
@@ -154,8 +189,10 @@ class PlacementMixin:
         if self._state == "header":
             return PREAMBLE_SIZE + self._hlen
         if self._state == "frame":
+            assert self.header is not None  # frames follow the header
             return next_frame_offset(self._pos, self.header.alignment) + FRAME_SIZE
         if self._state == "body":
+            assert self._rec is not None  # set with the state
             return self._rec[REC_OFFSET] + self._rec[REC_STORED]
         raise AssertionError(self._state)
 
@@ -169,6 +206,7 @@ class PlacementMixin:
             return f"the frame after {len(self._records) // 56} chunk frames"
         if state == "body":
             rec = self._rec
+            assert rec is not None  # set with the state
             got = self.received - rec[REC_OFFSET]
             return (f"the body of chunk layer {rec[REC_LAYER]} {R.COMPONENT_BY_CODE[rec[REC_COMP]]} tokens "
                     f"{rec[REC_T0]}+{rec[REC_COUNT]} ({got} of {rec[REC_STORED]} bytes)")
@@ -177,6 +215,7 @@ class PlacementMixin:
         return "nothing (the container is complete)"
 
     def _remaining_pieces(self) -> list:
+        assert self._pieces is not None  # in a body, "into" mode
         if not self._got and len(self._pieces) < IOV_MAX:
             return list(self._pieces)
         out, skip = [], self._got

@@ -250,7 +250,7 @@ class Reader:
                 # torch has no read-only tensors: a view of bytes would let callers write into them
                 return view(bytearray(stored), 0, dtype, shape, backend)
             return view(self._buf, c.offset, dtype, shape, backend)
-        out = None
+        out: memoryview | np.ndarray | None = None
         if scratch and backend == "numpy":
             if len(getattr(self, "_scratch", b"")) < c.raw_length:
                 self._scratch = bytearray(c.raw_length)
@@ -294,7 +294,7 @@ class Reader:
             if tuple(out[comp].shape) != spec.shape(comp, r.count):
                 raise ValueError(f"out[{comp!r}] has shape {tuple(out[comp].shape)}, layer {layer} needs "
                                  f"{spec.shape(comp, r.count)}")
-        jobs = [] if native.takes(self.header) else None
+        jobs: list | None = [] if native.takes(self.header) else None
         fill_layer(self, layer, out, verify, jobs)
         run_jobs(self, jobs, verify, threads)
         return out
@@ -378,7 +378,7 @@ class Reader:
         slabs = carve([shape for layer in shapes for shape in layer.values()], h.dtype, backend, device)
         it = iter(slabs)
         outs = [{c: next(it) for c in shapes[i]} for i in range(h.num_layers)]
-        jobs = [] if native.takes(h) else None  # every layer's chunks in one batch: no barrier per layer
+        jobs: list | None = [] if native.takes(h) else None  # every layer's chunks in one batch: no barrier per layer
         for i, spec in enumerate(h.arch.layers):
             if spec.kind == "state":
                 outs[i] = self._state_layer(i, verify, backend)

@@ -60,7 +60,7 @@ def read_all(fd: int, size: int) -> memoryview:
     """The file's bytes in memory of their own: at most ``size`` (its ``st_size``), read in
     bounded pieces; a file that shrank meanwhile gives fewer bytes (the reader then says
     TRUNCATED), one that grew is read up to ``size``."""
-    mv, n = memoryview(np.empty(size, np.uint8)), 0  # np.empty: no zero-fill before the bytes overwrite it
+    mv, n = np.empty(size, np.uint8).data, 0  # np.empty: no zero-fill before the bytes overwrite it
     with builtins.open(fd, "rb", buffering=0, closefd=False) as f:
         while n < size:
             got = f.readinto(mv[n : n + (64 << 20)])

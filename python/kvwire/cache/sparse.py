@@ -21,7 +21,7 @@ from ..codecs import decode_body
 from ..codecs.zstd import checksum_required
 from ..format import registry as R
 from ..format.chunks import PlannedChunk, chunk_plan
-from ..format.header import Header, check_header
+from ..format.header import Header, check_header, default_layer_tokens
 from ..format.sparse import (
     SPARSE_BIT,
     PositionOrder,
@@ -49,7 +49,7 @@ class SparseKVCache:
     __slots__ = ("header", "layers")
     is_sparse = True
 
-    def __init__(self, header: Header, layers: Sequence[Sequence[Mapping[str, object]]]):
+    def __init__(self, header: Header, layers: Sequence[Sequence[Mapping[str, Any]]]):
         s = header.sparse
         if s is None:
             raise ValueError("a SparseKVCache needs a header with Header.sparse")
@@ -89,7 +89,8 @@ class SparseKVCache:
         h = dense_header
         info = SparseInfo(next_position=h.first_position + h.token_count if next_position is None else next_position,
                           retained_counts=counts, method=method, sink_tokens=sink_tokens, window_tokens=window_tokens)
-        header = replace(h, token_count=max(counts, default=0), layer_tokens=None, sparse=info,
+        n = max(counts, default=0)
+        header = replace(h, token_count=n, layer_tokens=default_layer_tokens(h.arch, n), sparse=info,
                          required_features=h.required_features | SPARSE_BIT)
         return cls(header, layers)
 
@@ -105,7 +106,7 @@ class SparseKVCache:
         h = dense.header
         if len(keep_mask) != h.num_layers:
             raise ValueError(f"keep_mask has {len(keep_mask)} layers, the cache {h.num_layers}")
-        layers = []
+        layers: list[list[dict[str, Any]]] = []
         for i, (spec, r) in enumerate(zip(h.arch.layers, h.layer_tokens)):
             nh = layer_heads(spec)
             if nh == 0:
@@ -138,6 +139,7 @@ class SparseKVCache:
 
     @property
     def next_position(self) -> int:
+        assert self.header.sparse is not None  # checked by __init__
         return self.header.sparse.next_position
 
     def positions(self, layer: int, head: int) -> Any:
@@ -164,6 +166,8 @@ class SparseKVCache:
     def from_canonical(cls, header: Header, tensors: Mapping) -> SparseKVCache:
         """Inverse of ``canonical_tensors``: ``tensors[(layer, component)]`` split by
         ``retained_counts``."""
+        if header.sparse is None:
+            raise ValueError("a SparseKVCache needs a header with Header.sparse")
         counts = iter(header.sparse.retained_counts)
         layers = []
         for i, spec in enumerate(header.arch.layers):
@@ -176,7 +180,8 @@ class SparseKVCache:
     def chunk_arrays(self) -> Iterator[tuple[PlannedChunk, Any]]:
         """(PlannedChunk, array) of every chunk in canonical order (layer, component, head,
         cell; KVW-SPARSE-7): [tokens, dim] rows, or the cell's absolute positions."""
-        key, host = None, None
+        key: tuple[int, int, str] | None = None
+        host: Any = None
         for c in chunk_plan(self.header):
             if (c.layer, c.head, c.component) != key:
                 key = (c.layer, c.head, c.component)
@@ -200,6 +205,7 @@ class SparseKVCache:
 
     def __repr__(self) -> str:
         s = self.header.sparse
+        assert s is not None  # checked by __init__
         return (f"SparseKVCache({self.num_layers} layers, {sum(s.retained_counts)} retained (layer, head) tokens, "
                 f"next position {s.next_position}, method {s.method!r}, {self.header.dtype})")
 
