@@ -246,7 +246,7 @@ def _structure(h: Header, local: LocalModel, reasons: list, conversions: list) -
             reasons.append("layer map: the receiver does not apply layer maps")
             return
         plan = resolve(h.layer_map, mine.num_layers, reasons)
-        ops = {}
+        ops: dict[str, int] = {}
         for r, (op, t) in enumerate(plan):
             ops[op] = ops.get(op, 0) + 1
             if op in ("copy", "alias"):

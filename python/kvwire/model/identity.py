@@ -166,7 +166,7 @@ def _tensor_record(x) -> tuple[str, tuple[int, ...], memoryview]:
         t = x.detach().to("cpu").contiguous()
         shape = tuple(int(s) for s in t.shape)
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-        return name, shape, memoryview(raw).cast("B")
+        return name, shape, raw.data.cast("B")
     a = np.asarray(x)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
@@ -175,7 +175,7 @@ def _tensor_record(x) -> tuple[str, tuple[int, ...], memoryview]:
         name = next((n for n, d in R.DTYPES.items() if d.numpy == a.dtype), None)
     if name is None:
         raise ValueError(f"array dtype {a.dtype} has no weights-fingerprint name")
-    return name, a.shape, memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return name, a.shape, np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
 
 def _hash_tensors(h, named: list[tuple[str, object]]) -> None:

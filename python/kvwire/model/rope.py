@@ -194,7 +194,8 @@ def shift_problems(header: Header, new_first_position: int) -> list[tuple[int | 
     """Why ``shift`` would refuse to move the cache ``header`` describes: (layer or None, reason)
     for every cause, [] when it can move. Decided from the header alone, so the compatibility
     check promises a "shift positions" conversion exactly when ``shift`` performs it (KVW-XM-9)."""
-    h, out = header, []
+    h = header
+    out: list[tuple[int | None, str]] = []
     delta = int(new_first_position) - h.first_position
     if new_first_position < 0:
         out.append((None, f"new first position {new_first_position} is negative"))

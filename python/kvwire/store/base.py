@@ -14,6 +14,7 @@ because the bytes were never the problem.
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -170,7 +171,7 @@ class Store:
         """Every key starting with ``prefix``, sorted."""
         raise NotImplementedError
 
-    def sizes(self, keys: Sequence[str]) -> list:
+    def sizes(self, keys: Sequence[str]) -> builtins.list:
         """The size in bytes of each key's object (None for a miss), in one batch: what
         ``kvwire store ls`` and ``stats`` show, without reading object bytes."""
         raise NotImplementedError
@@ -183,19 +184,19 @@ class Store:
                 "bytes": sum(s or 0 for s in self.sizes(keys))}
 
     # batch forms
-    def get_many(self, keys: Sequence[str], byte_range: ByteRange = None) -> list:
+    def get_many(self, keys: Sequence[str], byte_range: ByteRange = None) -> builtins.list:
         return [self.get(k, byte_range) for k in keys]
 
-    def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> list:
+    def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> builtins.list:
         """The bytes of each ``(key, byte_range)`` of ``requests`` (None for a miss), each
         with its own range, in one batch: a layer-by-layer reader fetches one layer's frames
         from every object of a request at once (KVW-STORE-5)."""
         return [self.get(k, r) for k, r in requests]
 
-    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> builtins.list[bool]:
         return [self.put(k, v) for k, v in items]
 
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+    def exists_many(self, keys: Sequence[str]) -> builtins.list[bool]:
         return [self.exists(k) for k in keys]
 
     def leading(self, keys: Sequence[str]) -> int:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -291,7 +292,7 @@ class KVStore(TagChecks):
                 size += per_token * checked[j].header.token_count
                 j += 1
             need = [n for n in range(i, j) if not checked[n].whole]  # the rest were read whole
-            bodies = dict(zip(need, self.store.get_many([checked[n].key for n in need]))) if need else {}
+            bodies: dict[int, Any] = dict(zip(need, self.store.get_many([checked[n].key for n in need]))) if need else {}
             opened.bytes_read += sum(len(x) for x in bodies.values() if x is not None)
             for n in range(i, j):
                 buf = bodies.pop(n, checked[n].first)

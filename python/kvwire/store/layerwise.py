@@ -26,6 +26,8 @@ rest.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..cache.reader import Reader
@@ -67,7 +69,7 @@ class LayerwiseLoad:
     # -- opening: headers checked, then every object's end frame, index and trailer --------
     def _open(self, opened) -> None:
         heads = opened.heads
-        tails = {}
+        tails: dict[int, Any] = {}
         need = [n for n, x in enumerate(heads) if not x.whole]  # the rest: the first read got the whole object
         if need:
             size = max(tail_bound(heads[n].header) for n in need)  # end frame, index and trailer

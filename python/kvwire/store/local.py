@@ -29,6 +29,7 @@ the directory, and the kernel's page cache does the caching. The rules it keeps
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import secrets
@@ -242,7 +243,7 @@ class LocalStore(Store):
         with self._dirs() as dirs:
             return self._put(dirs, key, value)
 
-    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> builtins.list[bool]:
         items = list(items)
         check_keys([k for k, _ in items])
         with self._dirs() as dirs:
@@ -261,11 +262,13 @@ class LocalStore(Store):
             raise StoreError(f"object {key!r} of {buffers[0].nbytes} bytes exceeds the size cap of {self.max_bytes}")
         d, name = fs.split_key(key)
         try:
-            written, size = self._publish(dirs.get(d, self.dir_mode), name, buffers)
+            dfd = dirs.get(d, self.dir_mode)
+            assert dfd is not None  # with a create mode: the directory's descriptor, or StoreError
+            written, size = self._publish(dfd, name, buffers)
         except StoreError:
             raise
         except OSError as exc:
-            raise StoreError(f"{self.url}: writing {key!r} failed ({errno.errorcode.get(exc.errno, exc.errno)}: "
+            raise StoreError(f"{self.url}: writing {key!r} failed ({errno.errorcode.get(exc.errno or 0, exc.errno)}: "
                              f"{exc.strerror}); no partial object was published") from exc
         if not written:
             self.count(puts=1, skipped=1)

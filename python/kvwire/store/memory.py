@@ -7,6 +7,7 @@ an optional size cap evicts least-recently-used objects, as ``LocalStore`` does.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -91,7 +92,7 @@ class MemoryStore(Store):
         with self._lock:
             return sorted(k for k in self._items if k.startswith(prefix))
 
-    def sizes(self, keys: Sequence[str]) -> list:
+    def sizes(self, keys: Sequence[str]) -> builtins.list:
         keys = [check_key(k) for k in keys]
         with self._lock:
             return [None if (v := self._items.get(k)) is None else len(v) for k in keys]

@@ -23,6 +23,7 @@ within it, never a hang. ``kvwire.store.cluster`` routes the same commands per n
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -54,8 +55,8 @@ def pack(args) -> list:
     args = [a.encode() if isinstance(a, str) else b"%d" % a if isinstance(a, int) else a for a in args]
     if not any(isinstance(a, (list, memoryview)) for a in args):  # the usual case: one join
         return [b"*%d\r\n" % len(args) + b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in args])]
-    head = [b"*%d\r\n" % len(args)]
-    out = []
+    head: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+    out: list[bytes | memoryview] = []
     for arg in args:
         bufs = arg if isinstance(arg, list) else [arg]  # a value may come as several buffers
         head.append(b"$%d\r\n" % sum(memoryview(b).nbytes for b in bufs))
@@ -168,7 +169,7 @@ def range_command(key: str, byte_range):
 
 
 # The reply types of the read commands (a nil is None): anything else is not Redis's answer.
-REPLY = {"GET": (bytes, type(None)), "EVAL": (bytes, type(None)), "EXISTS": int}
+REPLY: dict[str, type | tuple[type, ...]] = {"GET": (bytes, type(None)), "EVAL": (bytes, type(None)), "EXISTS": int}
 
 
 def range_reply(cmd, reply):
@@ -286,7 +287,7 @@ class RedisStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         return sorted(set(self.scan(self.node, prefix)))
 
-    def scan(self, node: Node, prefix: str) -> list[str]:
+    def scan(self, node: Node, prefix: str) -> builtins.list[str]:
         """The keys of one node starting with ``prefix`` (SCAN MATCH; never KEYS, which
         blocks the server)."""
         pattern = check_prefix(prefix).encode() + b"*"
@@ -307,7 +308,7 @@ class RedisStore(Store):
     def put(self, key: str, value: PutValue) -> bool:
         return self.put_many([(key, value)])[0]
 
-    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, PutValue]]) -> builtins.list[bool]:
         """All objects in one pipelined round trip per node; each is ``SET key value NX``."""
         items = [(check_key(k), as_buffers(v)) for k, v in items]
         if not items:
@@ -357,8 +358,7 @@ class RedisStore(Store):
                 value = fields.get(k, "0")
                 total[k] += int(value) if value.isdigit() else 0
             policy.add(fields.get("maxmemory_policy", "?"))
-        total["maxmemory_policy"] = ",".join(sorted(policy))
-        return total
+        return {**total, "maxmemory_policy": ",".join(sorted(policy))}
 
     def info(self) -> dict:
         keys = self.list()

@@ -55,7 +55,8 @@ def describe_failure(exc, *, tls: bool, password: bool) -> str:
     error under it) mapped to the kind of failure. Never includes the password: redis-py's
     messages name host:port and the server's reply, and the URL is not in them."""
     redis = import_redis()
-    chain, e = [], exc
+    chain: list[BaseException] = []
+    e = exc
     while e is not None and len(chain) < 8:
         chain.append(e)
         e = e.__cause__ or e.__context__

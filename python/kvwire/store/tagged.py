@@ -16,7 +16,9 @@ import hmac
 import numpy as np
 
 from ..format.container import PREAMBLE_SIZE, parse_preamble, trailer_fields
-from .auth import MAX_TAG_BYTES, Tag, TagError, digests_of, tag_key
+from .auth import MAX_TAG_BYTES, Keyring, Tag, TagError, digests_of, tag_key
+from .base import Store
+from .counters import KVStoreCounts
 
 
 def read_heads(store, keys, keyring, head_bytes: int) -> tuple[list, list]:
@@ -33,7 +35,9 @@ class TagChecks:
     """The tag hooks of ``KVStore`` (it has ``store``, ``counts`` and ``auth``): writers tag
     and heal (KVW-AUTH-8), readers verify before they use a byte (KVW-AUTH-6, 7)."""
 
-    auth = None  # a Keyring: every object written is tagged and every object read verified
+    store: Store
+    counts: KVStoreCounts
+    auth: Keyring | None = None  # every object written is tagged and every object read verified
 
     # -- writing -------------------------------------------------------------------------
     def present(self, keys) -> list:
@@ -78,6 +82,7 @@ class TagChecks:
         """The Tag of the object ``key`` whose first bytes ``head`` passed the header checks,
         when its tag ``data`` verifies and covers those header bytes, else None (a miss,
         counted)."""
+        assert self.auth is not None  # called only with a keyring
         try:
             t = self.auth.open(key, data)
             _, hlen, _ = parse_preamble(head)
@@ -105,7 +110,7 @@ class TagChecks:
         """Before they are decoded: the SHA-256 of each stored body (of ``layer``, or all)
         is the tag's digest for its record."""
         recs, view = reader.records, memoryview(buf)
-        which = range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer)
+        which = range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer).tolist()
         spans = [(int(recs["offset"][i]), int(recs["offset"][i]) + int(recs["stored_length"][i])) for i in which]
         got = digests_of(spans, lambda a, b: hashlib.sha256(view[a:b]).digest())
         for i, d in zip(which, got):
