@@ -135,13 +135,16 @@ def roundtrip(caches: Sequence[KVCache], codec, *, label: str | None = None, **e
     public API, decode it back with ``kvwire.load``.
 
     Returns (CodecResult without model metrics, decoded caches)."""
-    blobs, decoded = [], []
+    blobs: list[bytes] = []
+    decoded: list[KVCache] = []
     t0 = time.perf_counter()
     for c in caches:
         blobs.append(encode_bytes(c, codec=codec, **encode_opts))
     t1 = time.perf_counter()
     for b in blobs:
-        decoded.append(load(b))
+        dec = load(b)
+        assert isinstance(dec, KVCache)  # a dense cache decodes to one
+        decoded.append(dec)
     t2 = time.perf_counter()
     errs = [tensor_errors(ref, dec) for ref, dec in zip(caches, decoded)]
     # over caches: mean MSE, worst max abs error and cosine
@@ -207,13 +210,16 @@ def evaluate(caches: Sequence[KVCache], codecs: Sequence[str], *, hook: ModelHoo
 
     ``codecs``: names/presets, or (label, codec) pairs for anything else ``encode`` takes;
     ``on_codec(label)`` is called before each (progress)."""
-    out, ref_out = [], {}
+    if hook is not None and continuation is None:
+        raise ValueError("a model hook needs the continuation tokens to score")
+    out: list[CodecResult] = []
+    ref_out: dict = {}
     for item in codecs:
         label, codec = item if isinstance(item, tuple) else (item, item)
         if on_codec is not None:
             on_codec(label)
         res, decoded = roundtrip(caches, codec, label=label, **encode_opts)
-        if hook is not None:
+        if hook is not None and continuation is not None:
             res.model = model_metrics(hook, caches, decoded, continuation, greedy_tokens=greedy_tokens,
                                       ref_out=ref_out)
         out.append(res)
@@ -383,7 +389,10 @@ def cmd_fidelity(args) -> int:
     if args.continuation < 1:
         raise SystemExit("kvwire fidelity: --continuation must be at least 1")
     if args.cache:
-        caches, hook, cont = [load(args.cache)], None, None
+        cache = load(args.cache)
+        if not isinstance(cache, KVCache):
+            raise SystemExit(f"kvwire fidelity: {args.cache} holds a sparse cache; the harness compares dense caches")
+        caches, hook, cont = [cache], None, None
     elif args.model and args.text:
         model = load_hf_model(args.model)
         with open(args.text, "rb") as f:

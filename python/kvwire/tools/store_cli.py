@@ -15,6 +15,7 @@ import argparse
 import json
 import re
 import sys
+from typing import Any
 
 from ..store import StoreError, open_store
 from ..store.auth import is_tag_key
@@ -110,7 +111,8 @@ def _text(v) -> str:
 def cmd_stats(args, store) -> int:
     info = store.info()
     keys = store.list()
-    roots, other = {}, {"objects": 0, "bytes": 0}
+    roots: dict[str, dict[str, Any]] = {}
+    other: dict[str, Any] = {"objects": 0, "bytes": 0}
     for key, size in zip(keys, sizes_of(store, keys)):
         parsed = parse_key(key)
         if parsed is None:

@@ -88,6 +88,7 @@ def check_object(store, key, verify: bool) -> dict:
         if h is None:
             out["missing"] = True
             return out
+        assert head is not None  # read with its header
         out["header"] = header_dict(h)
         out["mismatches"] = header_mismatches(h, space, chunk_hash)
         whole = head if len(head) < HEAD_BYTES else (store.get(key) if verify else None)
