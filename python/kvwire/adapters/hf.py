@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -133,7 +134,9 @@ def from_hf(cache, model, *, attention_mask=None, position_ids=None, sequence: i
         raise IndexError(f"sequence {sequence} outside batch of {batch}")
     b = sequence
     a, n = (0, S) if attention_mask is None else _real_span(attention_mask[b], S, b)
-    tensors, ranges, dtype = [], [], None
+    tensors: list[dict[str, Any]] = []
+    ranges: list[TokenRange] = []
+    dtype: str | None = None
     for i, (spec, layer) in enumerate(zip(arch.layers, layers)):
         if spec.kind == "shared":
             if getattr(layer, "keys", None) is not None:
@@ -159,6 +162,7 @@ def from_hf(cache, model, *, attention_mask=None, position_ids=None, sequence: i
         tensors.append(layer_t)
         ranges.append(TokenRange(max(0, lo - a) if count else n, count))
         dtype = dtype or dtype_name(kb)
+    assert dtype is not None  # arch_from_config gives a model a layer of its own
     header = Header(arch=arch, token_count=n, dtype=dtype, first_position=_first_position(position_ids, b, a, n),
                     layer_tokens=tuple(ranges), model=identity or light_identity(model))
     return KVCache(header, tensors)
@@ -220,6 +224,7 @@ def to_hf(kvcache: KVCache | Sequence[KVCache], model):
     """
     import torch
     from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
 
     caches = [kvcache] if isinstance(kvcache, KVCache) else list(kvcache)
     if not caches:
@@ -257,9 +262,11 @@ def to_hf(kvcache: KVCache | Sequence[KVCache], model):
             for b, k, v in parts:
                 K[b, :, L - k.shape[1]:] = k
                 V[b, :, L - v.shape[1]:] = v
-        out.layers[i].update(K, V)
-        if hasattr(out.layers[i], "cumulative_length"):
-            out.layers[i].cumulative_length = S  # tokens seen, not tokens kept: drives the sliding mask
+        slot = out.layers[i]
+        assert isinstance(slot, CacheLayerMixin)  # an attention layer's (shared ones were skipped)
+        slot.update(K, V)
+        if hasattr(slot, "cumulative_length"):
+            slot.cumulative_length = S  # tokens seen, not tokens kept: drives the sliding mask
     return out
 
 

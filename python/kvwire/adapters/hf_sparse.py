@@ -13,7 +13,7 @@ transformers and torch are imported only when a function here is called.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,6 +43,7 @@ def uniform_count(sparse: SparseKVCache) -> int:
     """The one retained count shared by every head of every attention layer, or a
     ``SparseLoadError`` naming the first layer and heads that differ."""
     h = sparse.header
+    assert h.sparse is not None  # a SparseKVCache's header
     counts = iter(h.sparse.retained_counts)
     common = None
     for i, spec in enumerate(h.arch.layers):
@@ -71,7 +72,7 @@ def to_dense(sparse: SparseKVCache) -> KVCache:
     keep ``sparse.next_position`` for the next token."""
     n = uniform_count(sparse)
     h = sparse.header
-    layers = []
+    layers: list[dict[str, Any]] = []
     for spec, heads in zip(h.arch.layers, sparse.layers):
         if not heads:
             layers.append({})

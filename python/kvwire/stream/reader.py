@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class SparseNotSupported(Error, ValueError):
 class Layer(NamedTuple):
     """One received layer: component name -> [heads, tokens, dim] array or tensor."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index (public since the first release)
     tensors: dict
 
     @property
@@ -155,6 +155,8 @@ class LayerReader:
     descriptor or an unbuffered file (a buffered reader's bytes are invisible to poll).
     """
 
+    header: Header  # set by the stream's HeaderEvent, before the constructor returns
+
     def __init__(self, source: Any, *, verify: bool = True, backend: str = "numpy", prefetch: int = 2,
                  keep: bool = True, pin: bool = False, buffer: Any = None, link_gbps: float | None = None,
                  to_eof: bool = False, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
@@ -179,9 +181,8 @@ class LayerReader:
         self._next = 0  # next layer to hand out
         self._waiting = False  # the consumer waits for a layer
         self._closing = False
-        self.header = None
         self.stats.begin()
-        while self.header is None:
+        while not hasattr(self, "header"):  # set by the HeaderEvent
             self._step()
         h = self.header
         if h.sparse is not None:
@@ -190,15 +191,16 @@ class LayerReader:
         if implied_bytes(h) > max_decoded_bytes:  # before the receive buffer is sized from the header
             raise LimitError("DECODED_SIZE_LIMIT", f"the header implies {implied_bytes(h)} decoded bytes, more than "
                              f"max_decoded_bytes={max_decoded_bytes}", rule="KVW-LIM-8")
-        self.form = None
+        self.form: str | None = None
         table = ChunkTable.of(h)
-        self._remaining = [int(table.counts[i].sum()) for i in range(h.num_layers)]  # chunks still to come
-        self._complete = [n == 0 for n in self._remaining]
-        self._started = [False] * h.num_layers
+        self._remaining: list[int] = [int(table.counts[i].sum()) for i in range(h.num_layers)]  # chunks to come
+        self._complete: list[bool] = [n == 0 for n in self._remaining]
+        self._started: list[bool] = [False] * h.num_layers
         sizes = [_layer_bytes(h, i) for i in range(h.num_layers)]
         if keep:
             self._slots = 0
-            self._offsets, total = [], 0
+            self._offsets: list[int] = []
+            total = 0
             for layer in sizes:
                 self._offsets.append(total)
                 total += sum(n for _, _, n in layer)
@@ -206,15 +208,15 @@ class LayerReader:
             self._slots = min(self.prefetch + 1, max(1, h.num_layers))  # no slot beyond what the header implies
             self._slot_bytes = max(sum(n for _, _, n in layer) for layer in sizes)
             total = self._slots * self._slot_bytes
-        self._sizes = sizes
-        self._slab = _slab(total, backend, pin, buffer)
+        self._sizes: list[list[tuple[str, tuple, int]]] = sizes
+        self._slab: Any = _slab(total, backend, pin, buffer)
         self._tensors: list[dict | None] = [None] * h.num_layers
         self._flat: list[dict | None] = [None] * h.num_layers
         for i, done in enumerate(self._complete):
             if done:  # no chunks: shared layers, empty token ranges
                 self._tensors[i] = self._carve_layer(i, 0)  # zero-size tensors, if any
                 self.stats.mark_layer(i)
-        self._thread = None
+        self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="kvwire-stream-recv", daemon=True)
             self._thread.start()
@@ -234,8 +236,10 @@ class LayerReader:
             self._start_layer(layer)
         if comp == "state":  # a state tensor has its own shape and dtype: the decoder decodes it (KVW-STATE-7)
             return None
-        x = self._tensors[layer][comp]
-        flat, heads, per_head, row = self._flat[layer][comp]
+        tensors, flats = self._tensors[layer], self._flat[layer]
+        assert tensors is not None and flats is not None  # carved by _start_layer
+        x = tensors[comp]
+        flat, heads, per_head, row = flats[comp]
         a = (t0 - self.header.layer_tokens[layer].start) * row
         b = a + n * row
         pieces = [flat[h * per_head + a : h * per_head + b] for h in range(heads)]
@@ -247,7 +251,7 @@ class LayerReader:
         for comp, x in tensors.items():
             u = as_uint(as_numpy(x))
             heads, tokens, dim = u.shape
-            out[comp] = (memoryview(u.reshape(-1)).cast("B"), heads, tokens * dim * u.itemsize, dim * u.itemsize)
+            out[comp] = (u.reshape(-1).data.cast("B"), heads, tokens * dim * u.itemsize, dim * u.itemsize)
         return out
 
     def _start_layer(self, layer: int) -> None:
@@ -262,8 +266,9 @@ class LayerReader:
                        and not (self.keep and self._waiting and self._remaining[self._next])):
                     self._cond.wait()
         offset = self._offsets[layer] if self.keep else layer % self._slots * self._slot_bytes
-        self._tensors[layer] = self._carve_layer(layer, offset)  # views of the slab, carved on first use
-        self._flat[layer] = self._flatten(self._tensors[layer])
+        tensors = self._carve_layer(layer, offset)  # views of the slab, carved on first use
+        self._tensors[layer] = tensors
+        self._flat[layer] = self._flatten(tensors)
         self._started[layer] = True
 
     def _step(self) -> None:
@@ -294,7 +299,9 @@ class LayerReader:
             if isinstance(ev, ChunkEvent):  # verified, in place
                 if ev.component == "state":
                     name = self.header.arch.layers[ev.layer].state_tensors[ev.head_start].name
-                    self._tensors[ev.layer].setdefault("state", {})[name] = ev.data
+                    tensors = self._tensors[ev.layer]
+                    assert tensors is not None  # carved when the chunk was placed
+                    tensors.setdefault("state", {})[name] = ev.data
                 self._remaining[ev.layer] -= 1
                 if self._remaining[ev.layer] == 0:
                     self.stats.mark_layer(ev.layer)
@@ -353,7 +360,9 @@ class LayerReader:
                 if self._error is not None:
                     raise self._error
         self._next = i + 1
-        return Layer(i, self._tensors[i])
+        tensors = self._tensors[i]
+        assert tensors is not None  # a complete layer is carved
+        return Layer(i, tensors)
 
     def _wait_end(self) -> None:
         with self._cond:
@@ -376,7 +385,7 @@ class LayerReader:
             raise RuntimeError("cache() needs keep=True")
         for _ in self:
             pass
-        return KVCache(self.header, self._tensors)
+        return KVCache(self.header, cast("list[dict]", self._tensors))  # every layer carved: all were taken
 
     def close(self) -> None:
         """Stop consuming. A receive thread blocked in the transport ends when the source closes."""

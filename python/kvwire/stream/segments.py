@@ -240,11 +240,13 @@ class Reassembler:
     def _grow(self, tokens: int) -> None:
         if tokens <= self._capacity:
             return
-        cap = max(tokens, 2 * self._capacity, self.base.chunk_tokens)
-        np_dtype = R.DTYPES[self.base.dtype][2]
+        base = self.base
+        assert base is not None  # set by the first segment
+        cap = max(tokens, 2 * self._capacity, base.chunk_tokens)
+        np_dtype = R.DTYPES[base.dtype][2]
         used = self.end - self.start
         new = []
-        for i, spec in enumerate(self.base.arch.layers):
+        for i, spec in enumerate(base.arch.layers):
             layer = {}
             for c in (() if spec.kind == "state" else spec.components):
                 a = np.empty(spec.shape(c, cap), np_dtype)

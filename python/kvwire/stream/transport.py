@@ -99,7 +99,7 @@ class TransferStats:
 
     @property
     def first_byte_s(self) -> float | None:
-        return None if self.first_byte is None else self.first_byte - self.started
+        return None if self.first_byte is None or self.started is None else self.first_byte - self.started
 
     @property
     def first_layer_s(self) -> float | None:

@@ -146,6 +146,7 @@ class LayerWriter:
             self.stats.mark_layer(layer)
 
     def _drain(self) -> None:
+        assert self._queue is not None  # the sending thread's queue
         while (item := self._queue.get()) is not None:
             layer, buffers, what = item
             try:
@@ -160,6 +161,7 @@ class LayerWriter:
     def _stop(self) -> None:
         self._closed = True
         if self._thread is not None and self._thread.is_alive():
+            assert self._queue is not None  # the thread's queue
             self._queue.put(None)
             self._thread.join()
 
