@@ -164,6 +164,7 @@ class KVWireConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         identity, why = request_identity(request)
         if identity is None:  # KVW-IDENT-1: neither loaded nor saved
+            assert why is not None  # request_identity says why
             self._idents.pop(request.request_id, None)
             self._pending_load.pop(request.request_id, None)
             self.counts.add("unbindable")
@@ -219,17 +220,17 @@ class KVWireConnector(KVConnectorBase_V1):
             self._plan_save(meta, st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            st = self._reqs.get(req_id)
-            if st is None:
+            cst = self._reqs.get(req_id)
+            if cst is None:
                 continue
             ids = cached.new_block_ids[i]
             if ids is not None:
-                st.block_ids = list(ids[0]) if req_id in cached.resumed_req_ids else st.block_ids + list(ids[0])
+                cst.block_ids = list(ids[0]) if req_id in cached.resumed_req_ids else cst.block_ids + list(ids[0])
             done = cached.num_computed_tokens[i]
-            if done < st.saved * C or (st.tail_saved and done < len(st.prompt)):
-                st.saved = min(st.saved, done // C)  # vLLM rolled back to recompute blocks a load failed on:
-                st.tail_saved = False  # save them again
-            self._plan_save(meta, st, req_id, done + scheduler_output.num_scheduled_tokens[req_id])
+            if done < cst.saved * C or (cst.tail_saved and done < len(cst.prompt)):
+                cst.saved = min(cst.saved, done // C)  # vLLM rolled back to recompute blocks a load failed on:
+                cst.tail_saved = False  # save them again
+            self._plan_save(meta, cst, req_id, done + scheduler_output.num_scheduled_tokens[req_id])
         self._write_stats(bool(meta.loads))  # matched_tokens counts the loads planned here
         return meta
 
@@ -237,13 +238,12 @@ class KVWireConnector(KVConnectorBase_V1):
         C = self.chunk_tokens
         span = chunks_to_save(st, computed_after, C)
         tail = tail_to_save(st, computed_after, C) if self.save_partial else None
-        if span is None and tail is None:
-            return
-        first = span[0] if span is not None else tail
         if tail is not None:
+            first = span[0] if span is not None else tail
             meta.saves.append(SaveSpec(req_id, list(st.prompt), first, tail + 1, list(st.block_ids), partial=True,
                                        identity=st.identity))
-        else:
+        elif span is not None:
+            first = span[0]
             meta.saves.append(SaveSpec(req_id, st.prompt[:span[1] * C], first, span[1], list(st.block_ids),
                                        identity=st.identity))
 

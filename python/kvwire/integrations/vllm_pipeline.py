@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from ..format.kv_scales import KVScale
 from ..model.rescale import rescale_fp8
@@ -58,7 +59,7 @@ class LayerPipeline:
             raise ValueError(f"depth (layers read ahead) must be an int >= 1, not {depth!r}")
         self.kv, self.space, self.num_layers, self.timeout = kv, space, num_layers, timeout
         self.specs = list(loads)
-        self.loads: list[LayerwiseLoad | None] = [None] * len(self.specs)
+        self.loads: Sequence[LayerwiseLoad | None] = [None] * len(self.specs)
         self.ready: list[list | None] = [None] * num_layers  # per layer: per load, arrays or None
         self.events = [threading.Event() for _ in range(num_layers)]
         self.slots = threading.Semaphore(depth)
@@ -72,13 +73,14 @@ class LayerPipeline:
 
     def _run(self) -> None:
         try:
-            self.loads = [LayerwiseLoad(self.kv, s[1], self.space, s[2], identity=s[3] if len(s) > 3 else None)
-                          for s in self.specs]
+            loads = [LayerwiseLoad(self.kv, s[1], self.space, s[2], identity=s[3] if len(s) > 3 else None)
+                     for s in self.specs]
+            self.loads = loads
             # KVW-SCALE-7: fp8 elements mean something only with their scales; a request's objects share one
             # set (KVStore refuses to join others), so a load whose first object's differ is requantized
-            convert = [x.header is not None and not same_scales(x.header, self.kv_scales) for x in self.loads]
+            convert = [x.header is not None and not same_scales(x.header, self.kv_scales) for x in loads]
             self.rescaled = sum(convert)
-            live = [x for x in self.loads if x.header is not None]
+            live = [x for x in loads if x.header is not None]
             for layer in range(self.num_layers):
                 while not self.slots.acquire(timeout=0.1):
                     if self.stop.is_set():
@@ -86,8 +88,8 @@ class LayerPipeline:
                 if self.stop.is_set():
                     return
                 fetch_layer(live, layer)
-                got = [x.decode(layer) if x.header is not None and x.served else None for x in self.loads]
-                for x, arrays, c in zip(self.loads, got, convert):
+                got = [x.decode(layer) if x.header is not None and x.served else None for x in loads]
+                for x, arrays, c in zip(loads, got, convert):
                     if c and arrays is not None:
                         rescale_layer(arrays, x.header, layer, self.kv_scales)
                 self.ready[layer] = got

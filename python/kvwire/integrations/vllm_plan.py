@@ -23,7 +23,7 @@ import numpy as np
 
 from ..cache.kvcache import KVCache
 from ..deprecation import former_names
-from ..format.header import Architecture, Header, TokenRange
+from ..format.header import Architecture, Header, ModelIdentity, TokenRange
 from ..model.identity import config_fingerprint, make_identity, weights_fingerprint
 from ..store.keys import KeySpace, codec_fidelity
 
@@ -73,7 +73,7 @@ class ModelKey:
 
     arch: Architecture
     dtype: str
-    identity: object  # kvwire ModelIdentity
+    identity: ModelIdentity
     space: KeySpace
 
     @classmethod

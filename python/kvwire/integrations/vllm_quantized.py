@@ -37,6 +37,7 @@ from ..cache.encoder import Encoder
 from ..cache.files import open as open_reader
 from ..codecs import PRESETS
 from ..codecs.presets import resolve
+from ..format.codec_specs import CodecSpec
 
 # kv_cache_dtype -> kvwire preset (key bits, value bits)
 FORMATS = {"turboquant_4bit_nc": "vllm-turboquant-4bit-nc", "turboquant_k3v4_nc": "vllm-turboquant-k3v4-nc",
@@ -82,7 +83,9 @@ def slot_layout(cache_dtype: str, head_dim: int) -> SlotLayout:
     if head_dim < 8 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim}: vLLM's turboquant needs a power of two >= 8")
     preset = PRESETS[FORMATS[cache_dtype]]
-    return SlotLayout(cache_dtype, head_dim, resolve(preset, "k").bits, resolve(preset, "v").bits)
+    k, v = resolve(preset, "k"), resolve(preset, "v")
+    assert isinstance(k, CodecSpec) and isinstance(v, CodecSpec)  # the turboquant presets are codec specs
+    return SlotLayout(cache_dtype, head_dim, k.bits, v.bits)
 
 
 def _slots(slots, lay: SlotLayout) -> np.ndarray:
@@ -225,6 +228,7 @@ def _pth_preset(cache_dtype: str, fp8_format: str):
     if cache_dtype not in PER_TOKEN_HEAD:
         raise ValueError(f"kv_cache_dtype {cache_dtype!r}: carried per-token-head formats are {sorted(PER_TOKEN_HEAD)}")
     spec = resolve(PRESETS[PER_TOKEN_HEAD[cache_dtype]], "k")
+    assert isinstance(spec, CodecSpec)  # the per-token-head presets are codec specs
     return replace(spec, fp8_format=fp8_format) if spec.codec == "fp8" else spec
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -254,7 +255,7 @@ class EngineBuffers(GatherMixin, ScatterMixin):
                                       f"pass {need}")
         if missing:
             known[missing[0]] = size // prod
-        return tuple(known[a] for a in group)
+        return cast("tuple[int, ...]", tuple(known[a] for a in group))  # every size is known now
 
     def _order(self, t, names):
         target = ["B", "N", "H", "C"] if self.layout.addressing == "block" else ["T", "H", "C"]

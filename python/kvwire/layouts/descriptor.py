@@ -46,6 +46,10 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 AXES = ("KV", "L", "B", "N", "T", "H", "C")
 PACKINGS = ("split", "fused", "separate", "shared")
@@ -272,7 +276,8 @@ def get_layout(name) -> LayoutDescriptor:
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside kvwire.layouts (the caller's line)."""
-    here, f, level = os.path.dirname(__file__), sys._getframe(2), 2
+    here, level = os.path.dirname(__file__), 2
+    f: FrameType | None = sys._getframe(2)
     while f is not None and os.path.dirname(f.f_code.co_filename) == here:
         f, level = f.f_back, level + 1
     return level

@@ -83,6 +83,7 @@ class OffloadRing:
         self.page_tokens = page_tokens
         self.stream = stream_for(eb.device, stream)
         L = eb.num_layers
+        shape: tuple[int, ...]
         if g0.mla:
             shape, layout = (num_slots, L, 1, page_tokens, g0.dim_k), "kvwire.page.mla"
         else:

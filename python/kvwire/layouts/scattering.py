@@ -15,9 +15,13 @@ kernels every device implements.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..cache.cuda import StagingRing, host_chunk, stream_for
+from ..format.header import Header
+from .descriptor import LayoutDescriptor
 from .ids import id_runs, run_start
 
 __all__ = ["ScatterHandle", "ScatterMixin"]
@@ -25,6 +29,18 @@ __all__ = ["ScatterHandle", "ScatterMixin"]
 
 class ScatterMixin:
     """The scatter methods of ``EngineBuffers``."""
+
+    # supplied by EngineBuffers (binding.py)
+    layout: LayoutDescriptor
+    block_size: int
+    device: Any
+    geometry: list  # a binding.LayerGeometry per layer
+    int_views: list[dict]
+
+    if TYPE_CHECKING:
+        def use_index_kernels(self) -> bool: ...
+        def ids_within(self, ids, num_tokens: int, layer_capacity: int, *, unique: bool) -> np.ndarray: ...
+        def check_header(self, h: Header) -> None: ...
 
     def _targets(self, a: np.ndarray, num_tokens: int, device):
         """Per token of the cache: engine (block, offset) or slot, as device index tensors."""
