@@ -24,7 +24,7 @@ CORE_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "window
 SHARED_IGNORED = ("window", "uses_rope", "rope", "kv_lora_rank", "qk_rope_head_dim")
 # Optional members of a reported object that the twin omits when they hold their default
 # (PROTOCOL.md 2.2): omitted and reported-with-the-default compare equal.
-OPTIONAL_DEFAULTS = {
+OPTIONAL_DEFAULTS: dict[str, dict[str, object]] = {
     "model": {"framework": "", "framework_version": "", "layer_weights_fingerprints": "", "fingerprint_scheme": 0},
     "rope": {"truncate": True},
 }

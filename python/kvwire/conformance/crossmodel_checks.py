@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..format.header import Header
 from .results import FAIL, PASS
 
 CORE_CHECKS = ("roundtrip", "verdict", "soft", "other_model", "other_seed")  # every model type
@@ -28,7 +29,7 @@ class Produced:
     first_token: int
     tokens: list
     logits: np.ndarray
-    header: object
+    header: Header
     describe: str
     hf_tokens: list  # tokens each transformers cache layer held after the prefill (None: no cache)
     windows: list  # sliding window of each transformers cache layer (0: none)

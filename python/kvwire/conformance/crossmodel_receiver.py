@@ -84,7 +84,8 @@ def worker_main(argv) -> int:
     except MissingDependency as exc:
         print(exc, file=sys.stderr)
         return 3
-    results, models = {}, {}
+    results: dict = {}
+    models: dict = {}
     with quiet_torch():
         for mt in prebuild:
             for seed in (0, OTHER_SEED):
@@ -131,10 +132,12 @@ class Receiver:
 
     def finish(self, timeout: float, *, go: bool = True) -> tuple[dict, str]:
         """(results by job id, "" or why the receiver failed as a whole)."""
+        stdin = self.proc.stdin
+        assert stdin is not None  # opened with stdin=PIPE
         with contextlib.suppress(OSError):  # it may have exited already: its status says why
             if go:
-                self.proc.stdin.write(b"go\n")
-            self.proc.stdin.close()
+                stdin.write(b"go\n")
+            stdin.close()
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -155,7 +158,8 @@ class Receiver:
             self.proc.kill()
         self.proc.wait()
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            if self.proc.stdin is not None:  # opened with stdin=PIPE
+                self.proc.stdin.close()
         self.log.close()
 
 

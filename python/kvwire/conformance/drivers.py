@@ -92,13 +92,15 @@ class ServeSession:
 
         self.next_id += 1
         line = json.dumps({"id": self.next_id, "args": [str(a) for a in args]}).encode() + b"\n"
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # opened with stdin=PIPE, stdout=PIPE
         try:
-            self.proc.stdin.write(line)
-            self.proc.stdin.flush()
+            stdin.write(line)
+            stdin.flush()
         except OSError:
             return None
         deadline = time.monotonic() + timeout + (self.startup_grace if self.next_id == 1 else 0.0)
-        fd = self.proc.stdout.fileno()
+        fd = stdout.fileno()
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while b"\n" not in self.buf:
@@ -133,7 +135,8 @@ class ServeSession:
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout, self.stderr):
             try:
-                f.close()
+                if f is not None:  # the pipes it was opened with
+                    f.close()
             except OSError:
                 pass
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from ..format.header import Producer
 from ..version import __version__
 from . import digests as D
 from . import neutral as N
+
+if TYPE_CHECKING:
+    from ..cache.sparse import SparseKVCache
 
 PROTOCOL_VERSION = 1
 COMMANDS = ("decode", "encode", "validate", "reassemble", "serve")
@@ -102,7 +106,7 @@ def cmd_validate(path: str, out=sys.stdout) -> int:
     return EXIT_OK
 
 
-def read_encode_spec(spec_path: str) -> tuple[KVCache, str, str]:
+def read_encode_spec(spec_path: str) -> tuple[KVCache | SparseKVCache, str, str]:
     """(cache, form, codec) described by an encode ``spec.json`` and its tensor files."""
     with open(spec_path) as f:
         spec = json.load(f)

@@ -40,13 +40,15 @@ def check_valid(impl, v: Vector, work: Path) -> CaseResult:
         dec = impl.decode(v.path, work)
         val = impl.validate(v.path, work)
     res.seconds = dec.seconds + val.seconds
-    problems, notes = [], []
+    problems: list[str] = []
+    notes: list[str] = []
     if dec.status == "unsupported" or val.status == "unsupported":
         return CaseResult("reader", impl.label, v.id, SKIP, "command not supported: " + (dec.detail or val.detail))
     if dec.status != "ok":
         res.status = ERROR if dec.status in ("error", "timeout") else FAIL
         problems.append(f"decode: {dec.describe()} (valid vector)")
     else:
+        assert dec.result is not None and v.twin is not None  # an "ok" decode's result; a valid vector's twin
         errs, notes = compare_header(v.twin["header"], dec.result.get("header"), ignore=())
         errs += compare_tensors(v.twin["tensors"], dec.result.get("tensors") or [])
         if errs:
@@ -114,6 +116,7 @@ def prepare_spec(case: WriterCase, d: Path) -> Path:
     with kv_open(str(case.vector.path)) as r:
         r.validate()
         cache = r.load()
+    assert case.vector.twin is not None  # a writer case is a valid vector, with its twin
     tensors = []
     for i, comp, x in D.cache_tensors(cache):
         name = D.tensor_file_name(i, comp)
@@ -132,6 +135,7 @@ def check_output(consumer, case: WriterCase, produced: Path, work: Path) -> tupl
         return SKIP, "decode not supported", []
     if dec.status != "ok":
         return (ERROR if dec.status in ("error", "timeout") else FAIL), f"decode: {dec.describe()}", []
+    assert case.vector.twin is not None  # a writer case is a valid vector, with its twin
     errs, notes = compare_header(case.vector.twin["header"], dec.result.get("header"))
     errs += compare_tensors(case.vector.twin["tensors"], dec.result.get("tensors") or [])
     if dec.result.get("form") not in (None, case.form):

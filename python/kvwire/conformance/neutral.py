@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from typing import Any
 
 from ..format import registry as R
 from ..format.header import (
@@ -26,6 +27,7 @@ from ..format.header import (
     Producer,
     RopeParams,
     TokenRange,
+    default_layer_tokens,
 )
 from .digests import tensor_digests
 
@@ -130,16 +132,18 @@ def header_to_json(h: Header) -> dict:
         from ..format.codec_specs import spec_to_json
 
         out["codec_specs"] = [spec_to_json(s) for s in h.codec_specs]
-    if getattr(h, "sparse", None) is not None:  # spec/sparse.md: reported when present
-        sp = h.sparse
+    sp = getattr(h, "sparse", None)
+    if sp is not None:  # spec/sparse.md: reported when present
         out["sparse"] = {"method": sp.method, "next_position": sp.next_position,
                          "retained_counts": list(sp.retained_counts), "sink_tokens": sp.sink_tokens,
                          "window_tokens": sp.window_tokens}
-    if getattr(h, "kv_scales", None) is not None:  # spec 5.10 (revision 1.1): reported when present
+    scales = getattr(h, "kv_scales", None)
+    if scales is not None:  # spec 5.10 (revision 1.1): reported when present
         out["kv_scales"] = [{"k_scale": float_to_json(e.k_scale), "v_scale": float_to_json(e.v_scale)}
-                            for e in h.kv_scales]
-    if getattr(h, "prefix", None) is not None:  # spec/crossmodel.md: reported when present
-        out["prefix"] = {"scheme": h.prefix.scheme, "root": h.prefix.root.hex(), "hashes": h.prefix.hashes.hex()}
+                            for e in scales]
+    prefix = getattr(h, "prefix", None)
+    if prefix is not None:  # spec/crossmodel.md: reported when present
+        out["prefix"] = {"scheme": prefix.scheme, "root": prefix.root.hex(), "hashes": prefix.hashes.hex()}
     engine = getattr(h, "engine_layout", None)  # informational table (spec 5.9), reported when present
     if engine is not None:
         out["engine_layout"] = {f.name: (list(v) if isinstance(v, tuple) else v)
@@ -150,7 +154,7 @@ def header_to_json(h: Header) -> dict:
 def rope_from_json(d) -> RopeParams | None:
     if d is None:
         return None
-    kw = {}
+    kw: dict[str, Any] = {}
     for f in fields(RopeParams):
         if f.name not in d:
             continue
@@ -187,7 +191,7 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
                         schema_version=a.get("schema_version", 1))
     m = d.get("model", {})
     model = ModelIdentity(m.get("model_type", ""), m.get("model_id", ""), m.get("revision", ""),
-                          *(bytes.fromhex(m.get(b, "")) for b in _BLOBS), framework=m.get("framework", ""),
+                          **{b: bytes.fromhex(m.get(b, "")) for b in _BLOBS}, framework=m.get("framework", ""),
                           framework_version=m.get("framework_version", ""),
                           layer_weights_fingerprints=bytes.fromhex(m.get("layer_weights_fingerprints", "")),
                           fingerprint_scheme=m.get("fingerprint_scheme", 0))
@@ -195,7 +199,8 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
         p = d.get("producer", {})
         producer = Producer(p.get("library", ""), p.get("version", ""))
     ranges = d.get("layer_tokens")
-    extra = {}
+    token_count = d.get("token_count", 0)
+    extra: dict[str, Any] = {}
     if d.get("codec_specs"):  # spec/codecs.md
         from ..format.codec_specs import spec_from_json
 
@@ -216,14 +221,15 @@ def header_from_json(d: dict, *, producer: Producer | None = None) -> Header:
     if d.get("engine_layout") is not None:  # only with a codec that knows the table
         from ..format import header as H
 
-        extra["engine_layout"] = H.EngineLayout(**{k: tuple(v) if isinstance(v, list) else v
-                                                   for k, v in d["engine_layout"].items()})
+        table: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d["engine_layout"].items()}
+        extra["engine_layout"] = H.EngineLayout(**table)
     return Header(
         arch=arch,
-        token_count=d.get("token_count", 0),
+        token_count=token_count,
         dtype=d.get("dtype", "bf16"),
         first_position=d.get("first_position", 0),
-        layer_tokens=tuple(TokenRange(r["start"], r["count"]) for r in ranges) if ranges is not None else None,
+        layer_tokens=(tuple(TokenRange(r["start"], r["count"]) for r in ranges) if ranges is not None
+                      else default_layer_tokens(arch, token_count)),
         chunk_tokens=d.get("chunk_tokens", 256),
         alignment=d.get("alignment", 64),
         model=model,

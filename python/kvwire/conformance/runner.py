@@ -179,6 +179,7 @@ class Runner:
             elif res.producer == REFERENCE and res.consumer == REFERENCE:
                 if res.status not in (PASS, WARN):  # the kit itself is broken: charge every impl
                     for impl in self.impls:
+                        assert impl.label is not None  # named by probe()
                         cases.append(CaseResult("roundtrip", impl.label, res.case, ERROR,
                                                 "reference self round trip failed: " + res.message, res.details,
                                                 res.seconds, REFERENCE, REFERENCE))
