@@ -60,7 +60,7 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 	    echo "make test needs $$tool: sudo apt-get install $$pkg (or your system's package)" >&2; exit 1; \
 	  fi; }; done
 	$(MAKE) docs lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The tiers (tests/README.md): `make check` for every change (lint, types and the unit tests: under two
 # minutes on 2 cores, no C build, no servers, no engines); `make test` runs lint, types and every test; CI runs it.
@@ -68,7 +68,7 @@ test: $(STAMP) $(VLLM_STAMP) $(DOCS_STAMP) c
 TEST_WORKERS ?= 2
 UNIT := not (slow or vllm or native or redis or flatc)
 check: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "$(UNIT)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "$(UNIT)"
 
 # ruff and mypy as configured in pyproject.toml (mypy --strict on format/ and codecs/); part of check and test.
 lint: $(STAMP)
@@ -77,7 +77,7 @@ lint: $(STAMP)
 
 # Everything but the real-vLLM tests (marker `vllm`): minutes faster than make test.
 test-fast: $(STAMP) $(DOCS_STAMP) c
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not vllm"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not vllm"
 
 # `make test` includes a 60 s fuzz campaign (tests/conformance/test_fuzz_campaign.py; KVWIRE_FUZZ_SECONDS=0 skips it).
 # The long campaign: atheris for FUZZ_SECONDS, then the hypothesis state machine; findings go to

@@ -1,5 +1,7 @@
 """Shared fixtures. Helpers and the container forge live in tests/forge.py."""
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -147,10 +149,32 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if folder == "c" or "lib" in names:
             item.add_marker(pytest.mark.native)
-            item.add_marker(pytest.mark.xdist_group("native"))  # one make -C c at a time (pytest -n, --dist loadgroup)
-        if item.get_closest_marker("vllm"):
-            item.add_marker(pytest.mark.xdist_group("vllm"))  # one engine at a time: each wants GiBs and both cores
         module = getattr(item, "module", None)
         uses = {getattr(v, "__module__", None) for v in vars(module).values()} if module else set()
         if names & REDIS_FIXTURES or uses & {"redisfix", "redisfakes"}:  # starts servers or fake peers itself
             item.add_marker(pytest.mark.redis)
+
+
+# Tests that must not share the machine take turns across pytest -n workers: real vLLM engines (each wants
+# GiBs and both cores) and the native tests (one `make -C c` at a time into build/). A file lock under
+# build/, held from an item's setup to its teardown (module fixtures that start engines included): it
+# works whatever the xdist version (its xdist_group markers stopped grouping with pytest 9, whose items no
+# longer take a rewritten nodeid) and between concurrent runs (make check beside make test).
+EXCLUSIVE = ("native", "vllm")
+LOCKS = ROOT / "build" / "test-locks"
+
+
+@contextlib.contextmanager
+def taking_turns(kinds):
+    with contextlib.ExitStack() as stack:
+        for kind in kinds:
+            LOCKS.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(LOCKS / f"{kind}.lock", "a"))
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with taking_turns([k for k in EXCLUSIVE if item.get_closest_marker(k)]):
+        return (yield)
