@@ -245,7 +245,7 @@ class Encoder:
             frame_at + FRAME_SIZE, stored_length, raw_length, checksum, token_start, n, layer,
             R.COMPONENTS[component], R.CODECS[codec], 0, head_start, head_count, codec_spec, 0)
         self._records.append(rec)
-        frame = build_frame(memoryview(rec))  # type: ignore[arg-type]  # anything with tobytes() does
+        frame = build_frame(rec)
         out = [bytes(frame_at - self._pos) + frame if frame_at > self._pos else frame, *stored]
         self._pos = frame_at + FRAME_SIZE + stored_length
         return out

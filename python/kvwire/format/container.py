@@ -159,8 +159,9 @@ def read_header(buf: BytesLike, known: tuple[Header, BytesLike] | None = None) -
 # Frames
 # ---------------------------------------------------------------------------------------
 
-def build_frame(record: np.ndarray) -> bytes:
-    body = record.tobytes()
+def build_frame(record: np.ndarray[Any, Any] | bytes | memoryview) -> bytes:
+    """The 64-byte frame of a chunk: marker, check32 of the record, the 56-byte record."""
+    body = record.tobytes() if not isinstance(record, bytes) else record
     return CHUNK_MARKER + struct.pack("<I", check32(body)) + body
 
 
