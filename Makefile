@@ -109,6 +109,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(MINILM_STAMP) c
 	$(PY) benchmarks/bench_c.py --no-build
 	$(PY) benchmarks/bench_native.py
 	$(PY) benchmarks/bench_load.py
+	$(PY) benchmarks/bench_layouts_gather.py
 	$(PY) benchmarks/bench_vllm.py  # starts engines from .venv-vllm
 
 bench-core: $(STAMP)

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""Per-layer gather and scatter of a vLLM paged KV cache view, by slot ids, through the
-connector's copies and through ``kvwire.layouts.EngineBuffers``, on the same tensors.
+"""Per-layer gather and scatter of a vLLM paged KV cache view, by slot ids, through
+``kvwire.layouts.gather_slots`` / ``scatter_slots`` (strided copies, and index kernels as the
+baseline) and through ``kvwire.layouts.EngineBuffers``, on the same tensors.
 
     .venv/bin/python benchmarks/bench_layouts_gather.py             # CPU, 4 MiB per layer, bf16
     .venv/bin/python benchmarks/bench_layouts_gather.py --device cuda
 
 Why: the vLLM connector copies each layer between vLLM's ``[num_blocks, num_kv_heads,
 block_size, 2 * head_dim]`` view and kvwire's standard ``[heads, tokens, head_dim]``
-layout on every save and load; two implementations of that copy exist (torch indexing on
-slot ids, and EngineBuffers' strided copies per run of blocks), and the one the connector
-uses must be the faster. Packings: ``channels`` (FlashAttention, Triton, FlashInfer, Flex),
+layout on every save and load, through ``gather_slots`` / ``scatter_slots``; on the CPU they
+copy strided runs of blocks, elsewhere they index slot by slot, and the CPU default must
+be the faster (and no slower than EngineBuffers' run copies). Packings: ``channels`` (FlashAttention, Triton, FlashInfer, Flex),
 and the CPU backend's ``vec`` and ``amx`` kernels (packing ``tokens``). EngineBuffers has no
-layout for the ``amx`` tiles (spec/layouts.md KVW-BIND-5), so that row has one column.
+layout for the ``amx`` tiles (spec/layouts.md KVW-BIND-5), so those rows have n/a there.
 
 Each figure is the best of --repeat timed runs after one warm-up (the least disturbed by
 other work on a shared machine), in ms per layer;
@@ -75,6 +76,12 @@ def run(args) -> list[tuple]:
             mine = gather_slots(src, ids, D, packing, cpu_isa=isa)
             t_g = timed(lambda: gather_slots(src, ids, D, packing, cpu_isa=isa), args.repeat, sync)
             t_s = timed(lambda: scatter_slots(dst, ids, mine, D, packing, cpu_isa=isa), args.repeat, sync)
+            # the baseline: index kernels per slot (what the connector ran before the strided copies)
+            ix = gather_slots(src, ids, D, packing, cpu_isa=isa, indexed=True)
+            assert all(torch.equal(mine[c].view(torch.int16), ix[c].view(torch.int16)) for c in ("k", "v")), case
+            ix_g = timed(lambda: gather_slots(src, ids, D, packing, cpu_isa=isa, indexed=True), args.repeat, sync)
+            ix_s = timed(lambda: scatter_slots(dst, ids, mine, D, packing, cpu_isa=isa, indexed=True), args.repeat,
+                         sync)
             eb_g = eb_s = None
             if isa != "amx":
                 kw = dict(num_kv_heads=H, head_dim=D, block_size=N, attn_backend=backend, cpu_isa=isa,
@@ -88,7 +95,7 @@ def run(args) -> list[tuple]:
                 data = layouts.encode_from_engine(eb, blocks, tokens, chunk_tokens=tokens)
                 with kvwire.open(data) as r:
                     eb_s = timed(lambda: eb_dst.scatter(r, blocks, verify=False).synchronize(), args.repeat, sync)
-            rows.append((order, case, t_g, eb_g, t_s, eb_s))
+            rows.append((order, case, ix_g, t_g, eb_g, ix_s, t_s, eb_s))
     return rows
 
 
@@ -100,10 +107,13 @@ def table(args, rows) -> str:
              f"{args.layer_mib} MiB per layer (K and V), bfloat16, {args.heads} KV heads x head_dim "
              f"{args.head_dim}, block_size {args.block_size}; best of {args.repeat} runs, ms per layer. "
              f"Machine: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads.", "",
-             "| blocks | packing | gather: gather_slots | gather: EngineBuffers | scatter: scatter_slots "
-             "| scatter: EngineBuffers |", "|---|---|---:|---:|---:|---:|"]
-    for order, packing, g, eg, s, es in rows:
-        lines.append(f"| {order} | {packing} | {f(g)} | {f(eg)} | {f(s)} | {f(es)} |")
+             "*indexed*: gather_slots / scatter_slots with `indexed=True` (per-slot index kernels, the default on "
+             "devices, and what the connector ran on the CPU before); *strided*: the CPU default (strided copies "
+             "per run of blocks); *EngineBuffers*: `kvwire.layouts.bind_vllm`'s run copies (no amx layout).", "",
+             "| blocks | packing | gather: indexed | gather: strided | gather: EngineBuffers | scatter: indexed "
+             "| scatter: strided | scatter: EngineBuffers |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for order, packing, ig, g, eg, is_, s, es in rows:
+        lines.append(f"| {order} | {packing} | {f(ig)} | {f(g)} | {f(eg)} | {f(is_)} | {f(s)} | {f(es)} |")
     return "\n".join(lines) + "\n"
 
 
