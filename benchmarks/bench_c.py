@@ -4,6 +4,7 @@ same bytes, and against the Python reference on the same file.
 
     .venv/bin/python benchmarks/bench_c.py                 # full run (the bench_core cache: 256 MiB bf16)
     .venv/bin/python benchmarks/bench_c.py --layers 4 --repeat 3   # quick run
+    .venv/bin/python benchmarks/bench_c.py --baseline OLD/build/c/bench_c   # against another build
 
 The container is the one benchmarks/bench_core.py measures (synth_cache, 32 layers x 8 KV
 heads x head_dim 128 x 2048 tokens, bf16, chunk_tokens 256, raw, file form), written by
@@ -92,6 +93,10 @@ def main(argv=None):
     ap.add_argument("--tmpdir", default=None, help="where the container goes (default: benchmarks/out)")
     ap.add_argument("--results", default=str(HERE / "results"), help="directory for c.md / c.json")
     ap.add_argument("--no-build", action="store_true", help="use build/c/bench_c as it is")
+    ap.add_argument("--baseline", metavar="BENCH_C", default=None,
+                    help="another build's bench_c (an earlier commit's build/c/bench_c): both run in alternation, "
+                         "--rounds times each, on the same file, and a table gives this build's speed against it")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds with --baseline")
     args = ap.parse_args(argv)
 
     if not args.no_build:
@@ -108,13 +113,15 @@ def main(argv=None):
         path.read_bytes()  # page cache warm
 
         print("C rows (build/c/bench_c)", file=sys.stderr)
-        p = subprocess.run([str(BENCH), str(path), str(args.repeat), str(args.inner_open)], capture_output=True,
-                           text=True, check=False)
-        if p.returncode != 0:
-            sys.exit(f"bench_c failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-        lines = [json.loads(x) for x in p.stdout.splitlines() if x.strip()]
-        config = lines[0]["config"]
-        c_rows = {r["name"]: r for r in lines[1:]}
+        config, c_rows = run_bench(BENCH, path, args)
+        baseline = None
+        if args.baseline:  # alternate: baseline, this build, baseline, ... (both see the same load)
+            print(f"baseline {args.baseline}: {args.rounds} alternating rounds", file=sys.stderr)
+            pairs = [(run_bench(Path(args.baseline), path, args)[1], run_bench(BENCH, path, args)[1])
+                     for _ in range(args.rounds)]
+            baseline = {"path": args.baseline, "rounds": args.rounds,
+                        "ratio": {k: statistics.median(old[k]["min_ns"] / new[k]["min_ns"] for old, new in pairs)
+                                  for k in LABELS if all(k in old and k in new for old, new in pairs)}}
 
         print("Python rows (kvwire reference)", file=sys.stderr)
         py_rows = {
@@ -135,13 +142,28 @@ def main(argv=None):
 
     info = machine()
     md = render(c_rows, py_rows, config, info, args)
+    if baseline:
+        md += "\n".join(["", f"Against `{baseline['path']}` ({baseline['rounds']} rounds, the two builds alternating on "
+                          "the same file): this build's speed over the baseline's, median of the rounds' best-run "
+                          "ratios (1.00x: as fast).", "", "| operation (C) | speed vs baseline |", "|---|---:|"]
+                         + [f"| {LABELS[k][0]} | {r:.2f}x |" for k, r in baseline["ratio"].items()]) + "\n"
     print(md)
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "c.md").write_text(md)
     (out / "c.json").write_text(json.dumps({"config": config, "args": vars(args), "machine": info,
-                                            "c": c_rows, "python": py_rows}, indent=1) + "\n")
+                                            "c": c_rows, "python": py_rows, "baseline": baseline}, indent=1) + "\n")
     return 0
+
+
+def run_bench(binary: Path, path: Path, args) -> tuple[dict, dict]:
+    """(config, rows by name) of one run of a bench_c binary on ``path``."""
+    p = subprocess.run([str(binary), str(path), str(args.repeat), str(args.inner_open)], capture_output=True,
+                       text=True, check=False)
+    if p.returncode != 0:
+        sys.exit(f"{binary} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.strip()]
+    return lines[0]["config"], {r["name"]: r for r in lines[1:]}
 
 
 LABELS = {
