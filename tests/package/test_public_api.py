@@ -304,3 +304,17 @@ def test_one_encode():
     """``kvwire.encode`` is the one public encode: no public namespace lists another."""
     holders = [name for name in PUBLIC if "encode" in PUBLIC[name]]
     assert holders == ["kvwire"]
+
+
+def test_packages_outside_the_api_say_so():
+    """A subpackage of kvwire is a public namespace (PUBLIC, or the parent of one: adapters,
+    integrations) or says in its docstring that it is not one, so help() and the source tell
+    a reader which imports are API."""
+    namespaces = set(PUBLIC) | {VLLM_CONNECTOR[0]}
+    parents = {n.rsplit(".", 1)[0] for n in namespaces if n.count(".") > 1}
+    for init in sorted(PKG.glob("*/__init__.py")):
+        name = f"kvwire.{init.parent.name}"
+        if name in namespaces or name in parents:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "Not a public namespace" in doc, f"{name}: public (add it to PUBLIC) or say 'Not a public namespace'"

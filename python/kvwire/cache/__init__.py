@@ -11,4 +11,7 @@
 - ``files``: ``encode``, ``save`` and ``load`` with typed keywords, atomic file writes with
   ``writev``;
 - ``tensors``: numpy/torch views without copies; ``cuda``: decoding onto a CUDA device.
+
+Not a public namespace (docs/api.md): the API is what ``kvwire`` and its public
+subpackages list in ``__all__``; modules here may move between releases.
 """
