@@ -389,6 +389,8 @@ BROKEN = textwrap.dedent('''
                         return cache, form, codec
             return cache, form, codec
         impl.read_encode_spec = flipped
+    elif mode == "slow-start":  # every process starts slower than the runner's --timeout (a loaded machine)
+        time.sleep(4)
     elif mode == "reader-only":
         info = impl.info
         impl.info = lambda: dict(info(), name="reader-only", commands=["decode", "validate"])
@@ -467,6 +469,18 @@ def test_crashes_and_hangs_are_errors(broken):
     assert statuses == {"1.0/invalid/layout4-trailing-byte": "error", "1.0/invalid/pre1-bad-magic": "pass",
                         "1.0/valid/stream-raw": "pass"}
     assert "hang" in next(c.message for c in run.cases if c.status == "error")
+
+
+@pytest.mark.slow
+def test_a_slow_start_is_not_taken_for_a_hang(broken):
+    """Each process of this implementation takes 4 s to start, twice the timeout: ``info``
+    and a new server's first answer get the start-up grace, so every vector passes (the
+    commands themselves answer at once)."""
+    slow = broken("slow-start", timeout=2)
+    run = run_impls([slow], ["*/pre1-bad-magic", "*/valid/stream-raw"], levels=("reader",), jobs=1)
+    assert slow.serving, "info timed out: the runner fell back to one process per command"
+    assert {c.case: c.status for c in run.cases} == {"1.0/invalid/pre1-bad-magic": "pass",
+                                                     "1.0/valid/stream-raw": "pass"}, [c.message for c in run.cases]
 
 
 @pytest.mark.slow

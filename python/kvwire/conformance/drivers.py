@@ -171,8 +171,9 @@ class CommandImpl:
         return shlex.join(self.argv) + (" (serve)" if self.serving else "")
 
     def probe(self) -> None:
-        """Ask ``info`` for the name and the supported commands (optional for impls)."""
-        call = self._run(["info"], expect_code=False, serve=False)
+        """Ask ``info`` for the name and the supported commands (optional for impls). The
+        first process of an implementation: its answer gets the start-up grace too."""
+        call = self._run(["info"], expect_code=False, serve=False, timeout=self.timeout + STARTUP_GRACE)
         if call.status == "ok":
             try:
                 self.info = json.loads(call.detail)
