@@ -114,6 +114,8 @@ def test_producer_then_consumer_same_tokens_and_cached_counts(tmp_path, referenc
     cs, cw = stats(tmp_path / "c")
     assert cs["matched_tokens"] == sum(want) and cw["loaded_tokens"] == sum(want)
     assert cw["load_failed_tokens"] == 0 and cw["store"]["checksum_failures"] == 0
+    # every chunk the consumer completed by computing was found by its lookup: none gathered to be saved again
+    assert cw["saved_chunks"] == 0 and cw["skipped_chunks"] == 0, cw
 
 
 def check_against_transformers(store_url: str, prompt) -> None:

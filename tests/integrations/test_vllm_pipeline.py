@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -18,7 +19,15 @@ from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, rand
 import kvwire
 from kvwire.cache.tensors import as_numpy
 from kvwire.integrations.vllm_pipeline import LayerPipeline
-from kvwire.integrations.vllm_plan import ModelKey, RequestState, chunk_cache, chunks_to_save, slots, tail_to_save
+from kvwire.integrations.vllm_plan import (
+    ModelKey,
+    RequestState,
+    chunk_cache,
+    chunks_to_save,
+    slots,
+    stored_chunks,
+    tail_to_save,
+)
 from kvwire.layouts import gather_slots, scatter_slots
 from kvwire.store import KVStore, MemoryStore
 
@@ -45,11 +54,11 @@ def consumer_buffers(key, n_blocks, seed):
     return [paged_buffer(n_blocks, s.num_kv_heads, BS, 2 * s.head_dim_k, torch.bfloat16, gen) for s in key.arch.layers]
 
 
-def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None):
+def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None, executor=None):
     """What the connector does in one step: a pipeline over the requests, each layer
     waited, scattered and released in order; returns (pipeline, served per request)."""
     pipe = LayerPipeline(kv, key.space, [(rid, toks, -(-stop // C)) for rid, toks, _, stop, _ in requests],
-                         key.arch.num_layers, depth=depth, timeout=5)
+                         key.arch.num_layers, depth=depth, timeout=5, executor=executor)
     for i, spec in enumerate(key.arch.layers):
         if i == skip_layer:
             continue
@@ -180,9 +189,46 @@ def test_a_stuck_or_failing_store_never_hangs_the_engine(fidelity_key, store_cls
     assert pipe.error is not None
 
 
+def test_steps_share_one_loader_thread(fidelity_key):
+    """The connector's steps run their pipelines on one long-lived loader thread (no thread
+    started per step), each delivering its layers as a pipeline of its own thread does."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, src = stored_prompt(key, kv, 2 * C, 3)
+    names = []
+    with ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads") as loader:
+        for step in range(3):
+            bufs = consumer_buffers(key, 6, 11 + step)
+            pipe, served = run_pipeline(key, kv, [("a", prompt, 0, 2 * C, [1, 3, 5, 2])], bufs, executor=loader)
+            assert served == [2 * C] and pipe.thread is None
+            got = gather_slots(bufs[0], slots([1, 3, 5, 2], BS, 0, 2 * C), 64)
+            assert np.array_equal(bits(got["k"]), bits(src[0]["k"][:, :2 * C]))
+            names.append(loader.submit(lambda: threading.current_thread().ident).result())
+    assert len(set(names)) == 1
+
+
 def test_pipeline_depth_is_checked(fidelity_key):
     with pytest.raises(ValueError, match="depth"):
         LayerPipeline(KVStore(MemoryStore()), fidelity_key.space, [], 4, depth=0)
+
+
+# -- chunks the store has already -----------------------------------------------------------
+
+def test_chunks_the_lookup_found_are_not_saved_again():
+    """A hit loads whole blocks up to the last prompt token; the chunk vLLM then completes by
+    recomputing was found by the lookup, so it is not gathered from every layer to be skipped
+    by the store. Chunks beyond what the lookup found are saved as before."""
+    assert stored_chunks(1024, 1024, 256) == (4, False)  # 992 tokens loaded, chunk 3 completed by vLLM
+    st = RequestState(list(range(1024)), saved=992 // 256, stored=4)
+    assert chunks_to_save(st, 1024, 256) is None and st.saved == 4
+    assert stored_chunks(1000, 1000, 256) == (3, True)  # the partial tail found too
+    tail = RequestState(list(range(1000)), saved=3, stored=3, tail_stored=True)
+    assert chunks_to_save(tail, 1000, 256) is None and tail_to_save(tail, 1000, 256) is None and tail.tail_saved
+    assert stored_chunks(600, 1000, 256) == (2, False)  # a shorter stored prefix: the rest is saved
+    part = RequestState(list(range(1000)), stored=2)
+    assert chunks_to_save(part, 512, 256) is None  # both found
+    assert chunks_to_save(part, 1000, 256) == (2, 3) and tail_to_save(part, 1000, 256) == 3
+    fresh = RequestState(list(range(1000)))  # nothing found: everything saved, as before
+    assert chunks_to_save(fresh, 1000, 256) == (0, 3) and tail_to_save(fresh, 1000, 256) == 3
 
 
 # -- the trailing partial chunk ---------------------------------------------------------------

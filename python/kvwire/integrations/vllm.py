@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,6 +83,7 @@ from .vllm_plan import (
     layer_index,
     matched_tokens,
     slots,
+    stored_chunks,
     tail_to_save,
 )
 from .vllm_stats import ConnectorCounts, connector_stats
@@ -145,6 +147,7 @@ class KVWireConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, RequestState] = {}
         self._pending_load: dict[str, tuple[int, int]] = {}
+        self._stored: dict[str, tuple[int, bool]] = {}  # request -> stored_chunks of its lookup
         self._idents: dict = {}  # req_id -> RequestIdentity (KVW-IDENT-7); absent: unbindable or unseen
         self._unbound_logged: set[str] = set()
         # worker side
@@ -154,6 +157,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self.engine_layout = None
         self._packing: list[tuple] = []  # per layer (packing, cpu_isa): kvwire.layouts' gather_slots arguments
         self._pipe: LayerPipeline | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads")  # one for every step
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()
@@ -189,6 +193,7 @@ class KVWireConnector(KVConnectorBase_V1):
             log.warning("kvwire lookup failed, treating as a miss: %s", exc)
             self._write_stats(True)
             return 0, False
+        self._stored[request.request_id] = stored_chunks(hit.tokens, len(prompt), self.chunk_tokens)
         n = matched_tokens(hit.tokens, len(prompt), num_computed_tokens, self.block_size)
         if n:
             self._pending_load[request.request_id] = (num_computed_tokens, num_computed_tokens + n)
@@ -205,10 +210,12 @@ class KVWireConnector(KVConnectorBase_V1):
         meta, C = KVWireMetadata(), self.chunk_tokens
         for new in scheduler_output.scheduled_new_reqs:
             load = self._pending_load.pop(new.req_id, None)
+            stored = self._stored.pop(new.req_id, (0, False))
             if new.req_id not in self._idents:
                 continue  # unbindable (KVW-IDENT-1): no state, so never loaded or saved
             prompt = list(new.prompt_token_ids or [])
-            st = RequestState(prompt, list(new.block_ids[0]), identity=self._idents[new.req_id])
+            st = RequestState(prompt, list(new.block_ids[0]), identity=self._idents[new.req_id], stored=stored[0],
+                              tail_stored=stored[1])
             self._reqs[new.req_id] = st
             if load is not None:
                 start, stop = load
@@ -229,7 +236,8 @@ class KVWireConnector(KVConnectorBase_V1):
             done = cached.num_computed_tokens[i]
             if done < cst.saved * C or (cst.tail_saved and done < len(cst.prompt)):
                 cst.saved = min(cst.saved, done // C)  # vLLM rolled back to recompute blocks a load failed on:
-                cst.tail_saved = False  # save them again
+                cst.stored = min(cst.stored, cst.saved)  # save them again (a bad object was deleted)
+                cst.tail_saved = cst.tail_stored = False
             self._plan_save(meta, cst, req_id, done + scheduler_output.num_scheduled_tokens[req_id])
         self._write_stats(bool(meta.loads))  # matched_tokens counts the loads planned here
         return meta
@@ -250,6 +258,7 @@ class KVWireConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         self._reqs.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
+        self._stored.pop(request.request_id, None)
         self._idents.pop(request.request_id, None)
         return False, None
 
@@ -287,7 +296,7 @@ class KVWireConnector(KVConnectorBase_V1):
             self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C), s.identity)
                                                                  for s in self._piped],
                                        self.arch.num_layers, depth=self.depth, timeout=self.load_timeout,
-                                       kv_scales=self._scales())
+                                       kv_scales=self._scales(), executor=self._loader)
             return
         for spec in meta.loads:
             self._load(spec)

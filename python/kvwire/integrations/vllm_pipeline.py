@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_for
 
 from ..format.kv_scales import KVScale
 from ..model.rescale import rescale_fp8
@@ -51,10 +53,12 @@ def same_scales(header, kv_scales) -> bool:
 
 class LayerPipeline:
     """Loads ``[(req_id, tokens, n_chunks[, identity])]`` of ``kv`` in ``space``, layer by
-    layer (``identity``: the request's ``RequestIdentity``, KVW-IDENT-4)."""
+    layer (``identity``: the request's ``RequestIdentity``, KVW-IDENT-4), on ``executor``
+    (the connector's one long-lived loader thread: no thread started per engine step) or,
+    without one, on a thread of its own."""
 
     def __init__(self, kv: KVStore, space, loads, num_layers: int, *, depth: int = 2, timeout: float = 30.0,
-                 kv_scales=None):
+                 kv_scales=None, executor: Executor | None = None):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth (layers read ahead) must be an int >= 1, not {depth!r}")
         self.kv, self.space, self.num_layers, self.timeout = kv, space, num_layers, timeout
@@ -68,8 +72,21 @@ class LayerPipeline:
         self.waited: set[int] = set()
         self.kv_scales = kv_scales  # the engine's fp8 scales: objects stored with others are requantized
         self.rescaled = 0  # loads whose objects carried other scales (KVW-SCALE-7)
-        self.thread = threading.Thread(target=self._run, name="kvwire-layer-loads", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+        self.future: Future | None = None
+        if executor is not None:
+            self.future = executor.submit(self._run)
+        else:
+            self.thread = threading.Thread(target=self._run, name="kvwire-layer-loads", daemon=True)
+            self.thread.start()
+
+    def running(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the loads to end; True when they still run."""
+        if self.future is not None:
+            return not wait_for([self.future], timeout).done
+        assert self.thread is not None
+        self.thread.join(timeout)
+        return self.thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -122,8 +139,7 @@ class LayerPipeline:
         """Stop the thread; per load, the tokens every layer holds (0 after an error, or when
         a layer was never waited for: its attention ran without it)."""
         self.stop.set()
-        self.thread.join(self.timeout)
-        if self.error is not None or len(self.waited) < self.num_layers or self.thread.is_alive():
+        if self.running(self.timeout) or self.error is not None or len(self.waited) < self.num_layers:
             return [0] * len(self.specs)
         return [0 if x is None or x.header is None else min(x.served, x.tokens) for x in self.loads]
 

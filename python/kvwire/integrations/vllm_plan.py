@@ -128,6 +128,8 @@ class RequestState:
     block_ids: list = field(default_factory=list)
     saved: int = 0  # chunks already saved, loaded or planned
     tail_saved: bool = False  # the trailing partial chunk: saved, loaded or planned
+    stored: int = 0  # leading chunks the lookup found in the store: never gathered to be saved again
+    tail_stored: bool = False  # the lookup found the trailing partial chunk too
     identity: object = None  # kvwire.store.RequestIdentity
 
 
@@ -139,14 +141,23 @@ def matched_tokens(hit_tokens: int, prompt_len: int, num_computed: int, block_si
     return max(0, usable - num_computed)
 
 
+def stored_chunks(hit_tokens: int, prompt_len: int, chunk_tokens: int) -> tuple[int, bool]:
+    """(leading whole chunks, trailing partial chunk) of a prompt that a lookup found
+    stored: a request that recomputes them (vLLM computes at least the last prompt token,
+    and loads whole blocks only) does not gather them from every layer to have the store
+    skip them as existing."""
+    covered = min(hit_tokens, prompt_len)
+    return covered // chunk_tokens, prompt_len % chunk_tokens != 0 and covered == prompt_len
+
+
 def chunks_to_save(state: RequestState, computed_after: int, chunk_tokens: int) -> tuple[int, int] | None:
     """The chunks [first, stop) of the prompt that are whole once ``computed_after`` tokens
     are computed and were not saved yet (the prompt's partial last chunk never is)."""
     stop = min(computed_after, len(state.prompt)) // chunk_tokens
     if stop <= state.saved:
         return None
-    first, state.saved = state.saved, stop
-    return first, stop
+    first, state.saved = max(state.saved, min(state.stored, stop)), stop
+    return (first, stop) if first < stop else None
 
 
 def tail_to_save(state: RequestState, computed_after: int, chunk_tokens: int) -> int | None:
@@ -155,6 +166,9 @@ def tail_to_save(state: RequestState, computed_after: int, chunk_tokens: int) ->
     when the prompt has no partial chunk or it is done (KVW-STORE-11, "partial")."""
     n = len(state.prompt)
     if n % chunk_tokens == 0 or state.tail_saved or computed_after < n or state.saved < n // chunk_tokens:
+        return None
+    if state.tail_stored:  # found by the lookup: there already
+        state.tail_saved = True
         return None
     state.tail_saved = True
     return n // chunk_tokens
