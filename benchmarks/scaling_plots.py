@@ -13,8 +13,8 @@ Writes scaling_time.png, scaling_store.png and scaling_throughput.png next to th
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -80,7 +80,10 @@ def plots(res, out):
 
 
 def main(argv=None):
-    src = Path((argv if argv is not None else sys.argv[1:] or [Path(__file__).parent / "results" / "scaling.json"])[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="?", default=str(Path(__file__).parent / "results" / "scaling.json"),
+                    help="a bench_scaling.py results file (default: benchmarks/results/scaling.json)")
+    src = Path(ap.parse_args(argv).json)
     plots(json.loads(src.read_text())["results"], src.parent)
     print(f"wrote {src.parent}/scaling_*.png")
 
