@@ -82,6 +82,7 @@ def parse_args(argv=None):
         a.layers, a.lengths, a.requests, a.rounds = 4, [1024], 2, 1
         a.out = a.out or REPO / "build" / "bench_vllm_quick"
     a.out = a.out or HERE / "results"
+    a.lmcache_site = a.lmcache_site.resolve() if a.lmcache_site else None  # engines run in a temporary folder
     a.intermediate = a.intermediate or int(round(a.hidden * 2.75 / 256)) * 256
     return a
 
@@ -235,11 +236,12 @@ def main(argv=None):
         raise SystemExit(f"{VLLM_PY} is missing: make vllm-venv")
     t0 = time.time()
     res = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-           "cpu": vm.cpu_description(), "versions": vm.versions(str(VLLM_PY)), "rounds": [], "bounds": [],
+           "cpu": vm.cpu_description(), "rounds": [], "bounds": [],
            "skipped": {}}
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-vllm-") as d:
         tmp = Path(d)
         bench = Bench(a, tmp)
+        res["versions"] = vm.versions(str(VLLM_PY), bench.env(True))
         res["model"] = {"config": bench.cfg, "kv_bytes_per_token": bench.per_token, "max_model_len": bench.max_len,
                         "kvcache_space_gib": bench.kv_space}
         paths = list(a.paths)
@@ -254,14 +256,23 @@ def main(argv=None):
                 order = paths if rnd % 2 == 0 else paths[::-1]
                 rows = {}
                 for key in order:
+                    if key in res["skipped"]:
+                        continue
                     print(f"round {rnd + 1}/{a.rounds}: {key} ...", flush=True)
-                    rows[key] = bench.run_path(key, rnd, server)
+                    try:
+                        rows[key] = bench.run_path(key, rnd, server)
+                    except SystemExit as e:  # LMCache is optional: its failure is reported, the run goes on
+                        if not key.startswith("lmcache"):
+                            raise
+                        res["skipped"][key] = "failed: " + str(e).strip().splitlines()[-1][:300]
+                        print(f"{key} failed, left out:\n{e}", flush=True)
                 res["rounds"].append({"order": order, "paths": rows})
                 res["bounds"].append({n: vm.read_copy_bound(tmp, n * bench.per_token) for n in a.lengths})
         finally:
             if server:
                 server.stop()
             if a.keep:
+                shutil.rmtree(REPO / "build" / "bench_vllm_tmp", ignore_errors=True)
                 shutil.copytree(tmp, REPO / "build" / "bench_vllm_tmp", dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("model.safetensors", "store-*", "redis"))
         res["page_cache"] = bench.drop_method

