@@ -206,6 +206,48 @@ def test_steps_share_one_loader_thread(fidelity_key):
     assert len(set(names)) == 1
 
 
+def test_the_loader_places_layers_before_it_says_they_are_ready(fidelity_key):
+    """On the CPU the connector has the loader thread scatter each layer itself: when the
+    engine's wait for a layer returns, the layer is in the paged buffer, bit-exact, and the
+    engine thread copied nothing."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, src = stored_prompt(key, kv, 2 * C, 4)
+    bufs, blocks, placed_by = consumer_buffers(key, 6, 12), [4, 0, 2, 5], []
+
+    def place(i, got):
+        placed_by.append(threading.current_thread().name)
+        (arrays,) = got
+        scatter_slots(bufs[i], slots(blocks, BS, 0, 2 * C), arrays, key.arch.layers[i].head_dim_k)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads") as loader:
+        pipe = LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, timeout=5, executor=loader,
+                             place=place)
+        for i in range(key.arch.num_layers):
+            pipe.wait(i)
+            got = gather_slots(bufs[i], slots(blocks, BS, 0, 2 * C), 64)
+            assert np.array_equal(bits(got["k"]), bits(src[i]["k"])), i
+            assert np.array_equal(bits(got["v"]), bits(src[i]["v"])), i
+            pipe.done(i)
+        assert pipe.close() == [2 * C]
+    assert len(placed_by) == key.arch.num_layers and all(n.startswith("kvwire-layer-loads") for n in placed_by)
+
+
+def test_nothing_is_placed_after_the_pipeline_is_stopped(fidelity_key):
+    """A layer that times out stops the pipeline (vLLM recomputes the load): when the stuck
+    store answers later, the loader writes nothing into the engine's buffers."""
+    key, store = fidelity_key, StuckStore()
+    kv = KVStore(store)
+    prompt, _ = stored_prompt(key, kv, 2 * C, 5)
+    placed = []
+    pipe = LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, timeout=0.5,
+                         place=lambda i, got: placed.append(i))
+    assert pipe.wait(0) == [None]  # timed out: halted
+    store.release.set()
+    pipe.done(0)
+    assert pipe.close() == [0]
+    assert placed == []
+
+
 def test_pipeline_depth_is_checked(fidelity_key):
     with pytest.raises(ValueError, match="depth"):
         LayerPipeline(KVStore(MemoryStore()), fidelity_key.space, [], 4, depth=0)

@@ -292,11 +292,13 @@ class KVWireConnector(KVConnectorBase_V1):
             return
         if self.layerwise:  # read layer by layer in a thread, a layer or two ahead of the forward pass
             C = self.chunk_tokens
-            self._piped = list(meta.loads)
+            self._piped = specs = list(meta.loads)
+            on_cpu = next(iter(self._layers.values())).device.type == "cpu"  # the loader places the layers itself
             self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C), s.identity)
-                                                                 for s in self._piped],
+                                                                 for s in specs],
                                        self.arch.num_layers, depth=self.depth, timeout=self.load_timeout,
-                                       kv_scales=self._scales(), executor=self._loader)
+                                       kv_scales=self._scales(), executor=self._loader,
+                                       place=(lambda i, got: self._place(i, specs, got)) if on_cpu else None)
             return
         for spec in meta.loads:
             self._load(spec)
@@ -335,14 +337,21 @@ class KVWireConnector(KVConnectorBase_V1):
             return  # no load this step, or every load completed in start_load_kv
         i = self._index[layer_name]
         try:
-            for spec, arrays in zip(self._piped, self._pipe.wait(i)):
-                n = 0 if arrays is None else min(next(iter(arrays.values())).shape[1], spec.stop)
-                if n > spec.start:
-                    ids = slots(spec.block_ids, self.block_size, spec.start, n)
-                    scatter_slots(self._layers[layer_name], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
-                                  self.arch.layers[i].head_dim_k, *self._packing[i])
+            got = self._pipe.wait(i)
+            if self._pipe.place is None:
+                self._place(i, self._piped, got)
         finally:
             self._pipe.done(i)
+
+    def _place(self, i: int, specs: list, got: list) -> None:
+        """Layer ``i`` of each load (its arrays, or None) into the paged buffer, from the
+        load's first token to the tokens it served."""
+        for spec, arrays in zip(specs, got):
+            n = 0 if arrays is None else min(next(iter(arrays.values())).shape[1], spec.stop)
+            if n > spec.start:
+                ids = slots(spec.block_ids, self.block_size, spec.start, n)
+                scatter_slots(self._layers[self._order[i]], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
+                              self.arch.layers[i].head_dim_k, *self._packing[i])
 
     def _finish_loads(self) -> None:
         """After the forward pass: the tokens every layer got, and load errors for the rest."""

@@ -6,9 +6,13 @@ every layer before the forward pass (``start_load_kv``) makes the first layer wa
 whole transfer; here a thread opens the step's loads (``kvwire.store.LayerwiseLoad``: two
 batched reads) and then fetches and decodes layer after layer (one batched ranged read per
 layer for all the step's requests, checksums verified), staying at most ``depth`` layers
-ahead of the forward pass so staging memory stays ``depth`` layers. The engine thread only
-scatters a ready layer into its paged buffers (``kvwire.layouts.scatter_slots``: one index
-copy per component on a GPU, so it is ordered with the compute stream).
+ahead of the forward pass so staging memory stays ``depth`` layers. A ready layer goes into
+the paged buffers (``kvwire.layouts.scatter_slots``) through ``place``: on the CPU the
+loader thread places it itself before it says the layer is ready, so the engine thread only
+waits (the copy leaves the forward pass's critical path); on a GPU the engine thread places
+it (one index copy per component, ordered with the compute stream). Once the pipeline is
+stopped (``close``, or a layer that timed out) no placement starts, and one under way has
+ended: nothing is written into the engine's buffers after the connector gave up on a load.
 
 Nothing here can hang the engine: a layer not ready within ``timeout`` seconds, an error in
 the thread, or a layer the forward pass never waited for (its attention ran without it)
@@ -58,7 +62,7 @@ class LayerPipeline:
     without one, on a thread of its own."""
 
     def __init__(self, kv: KVStore, space, loads, num_layers: int, *, depth: int = 2, timeout: float = 30.0,
-                 kv_scales=None, executor: Executor | None = None):
+                 kv_scales=None, executor: Executor | None = None, place=None):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth (layers read ahead) must be an int >= 1, not {depth!r}")
         self.kv, self.space, self.num_layers, self.timeout = kv, space, num_layers, timeout
@@ -72,6 +76,8 @@ class LayerPipeline:
         self.waited: set[int] = set()
         self.kv_scales = kv_scales  # the engine's fp8 scales: objects stored with others are requantized
         self.rescaled = 0  # loads whose objects carried other scales (KVW-SCALE-7)
+        self.place = place  # place(layer, per-load arrays or None) in the loader thread; None: the caller places
+        self.placing = threading.Lock()  # held while placing: stopping waits for a placement under way
         self.thread: threading.Thread | None = None
         self.future: Future | None = None
         if executor is not None:
@@ -110,6 +116,11 @@ class LayerPipeline:
                     if c and arrays is not None:
                         rescale_layer(arrays, x.header, layer, self.kv_scales)
                 self.ready[layer] = got
+                if self.place is not None:
+                    with self.placing:
+                        if self.stop.is_set():
+                            return
+                        self.place(layer, got)
                 self.events[layer].set()
         except BaseException as exc:  # reported as failed loads, never raised in the engine
             self.error = exc
@@ -125,7 +136,7 @@ class LayerPipeline:
         if not self.events[layer].wait(self.timeout):
             log.warning("kvwire: layer %d not loaded within %.0f s, vLLM recomputes", layer, self.timeout)
             self.error = self.error or TimeoutError(f"layer {layer} not loaded within {self.timeout} s")
-            self.stop.set()
+            self.halt()
         got = self.ready[layer]
         if self.error is not None or got is None:
             return [None] * len(self.specs)
@@ -135,10 +146,16 @@ class LayerPipeline:
         self.ready[layer] = None  # staging memory goes as soon as the layer is in place
         self.slots.release()
 
+    def halt(self) -> None:
+        """Stop: no layer is fetched or placed after this returns."""
+        self.stop.set()
+        with self.placing:
+            pass
+
     def close(self) -> list[int]:
         """Stop the thread; per load, the tokens every layer holds (0 after an error, or when
         a layer was never waited for: its attention ran without it)."""
-        self.stop.set()
+        self.halt()
         if self.running(self.timeout) or self.error is not None or len(self.waited) < self.num_layers:
             return [0] * len(self.specs)
         return [0 if x is None or x.header is None else min(x.served, x.tokens) for x in self.loads]
