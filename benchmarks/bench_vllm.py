@@ -77,12 +77,22 @@ def parse_args(argv=None):
     ap.add_argument("--lmcache-site", type=Path,
                     help="a folder holding LMCache (pip install --target) to use instead of .venv-vllm's")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (engine logs, stores)")
+    ap.add_argument("--baseline-src", type=Path, metavar="DIR",
+                    help="another kvwire checkout (e.g. a git worktree of an earlier commit): adds the path "
+                         "kvwire-file-baseline, its connector on the file store, to compare a change in one run")
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.lengths, a.requests, a.rounds = 4, [1024], 2, 1
         a.out = a.out or REPO / "build" / "bench_vllm_quick"
     a.out = a.out or HERE / "results"
     a.lmcache_site = a.lmcache_site.resolve() if a.lmcache_site else None  # engines run in a temporary folder
+    if a.baseline_src:
+        a.baseline_src = a.baseline_src.resolve()
+        if not (a.baseline_src / "python" / "kvwire" / "integrations" / "vllm.py").is_file():
+            ap.error(f"--baseline-src {a.baseline_src}: no python/kvwire/integrations/vllm.py there")
+        PATHS["kvwire-file-baseline"] = (f"kvwire, file store, baseline ({a.baseline_src.name})", "store")
+        if "kvwire-file-baseline" not in a.paths:
+            a.paths.append("kvwire-file-baseline")
     a.intermediate = a.intermediate or int(round(a.hidden * 2.75 / 256)) * 256
     return a
 
@@ -103,9 +113,9 @@ class Bench:
         self.engines = 0
         self.drop_method = None
 
-    def env(self, lmcache: bool) -> dict:
+    def env(self, lmcache: bool, src: Path = REPO) -> dict:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_space), VLLM_LOGGING_LEVEL="WARNING",
-                   PYTHONPATH=str(REPO / "python"))
+                   PYTHONPATH=str(src / "python"))
         if lmcache:
             extra = [str(HERE / "lmcache_site")] + ([str(self.a.lmcache_site)] if self.a.lmcache_site else [])
             env["PYTHONPATH"] = os.pathsep.join(extra + [env["PYTHONPATH"]])
@@ -159,12 +169,12 @@ class Bench:
         label, kind = PATHS[key]
         store = self.tmp / f"store-r{rnd}-{key}"
         lm = key.startswith("lmcache")
-        env = self.env(lm)
+        env = self.env(lm, self.a.baseline_src if key == "kvwire-file-baseline" else REPO)
         if "redis" in key:
             server.flushall()
         conn, name = None, None
         if key.startswith("kvwire"):
-            url = f"file://{store}" if key == "kvwire-file" else server.url
+            url = server.url if key == "kvwire-redis" else f"file://{store}"
             conn, name = {"store": url, "model_fingerprint": self.fingerprint}, "KVWireConnector"
         elif key == "example":
             conn, name = {"shared_storage_path": str(store)}, "ExampleConnector"
