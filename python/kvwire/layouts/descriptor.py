@@ -46,7 +46,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -291,3 +291,19 @@ def _deprecated(name: str) -> LayoutDescriptor:
 def layout_names() -> list[str]:
     """The registered names (deprecated ones are in ``DEPRECATED``)."""
     return sorted(LAYOUTS)
+
+
+class BoundBuffers:
+    """What ``EngineBuffers`` (binding.py) gives its gather and scatter mixins, declared once
+    so a type checker can follow the mixins: the layout, the geometry per layer and the
+    integer views of the engine's tensors."""
+
+    layout: LayoutDescriptor
+    block_size: int
+    torch_dtype: Any
+    device: Any
+    geometry: list  # a binding.LayerGeometry per layer
+    int_views: list[dict]
+
+    if TYPE_CHECKING:
+        def use_index_kernels(self) -> bool: ...

@@ -12,28 +12,20 @@ so they are bit-exact for every dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .descriptor import LayoutDescriptor
+from .descriptor import BoundBuffers
 from .ids import id_runs, run_start
 
 __all__ = ["GatherMixin"]
 
 
-class GatherMixin:
+class GatherMixin(BoundBuffers):
     """The gather methods of ``EngineBuffers``."""
 
-    # supplied by EngineBuffers (binding.py)
-    layout: LayoutDescriptor
-    block_size: int
-    torch_dtype: Any
-    geometry: list  # a binding.LayerGeometry per layer
-    int_views: list[dict]
-
-    if TYPE_CHECKING:
-        def use_index_kernels(self) -> bool: ...
+    if TYPE_CHECKING:  # supplied by EngineBuffers (binding.py)
         def check_ids(self, ids, num_tokens: int) -> np.ndarray: ...
 
     def gather_range(self, layer: int, component: str, ids: np.ndarray, t0: int, t1: int):

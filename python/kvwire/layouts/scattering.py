@@ -15,30 +15,22 @@ kernels every device implements.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..cache.cuda import StagingRing, host_chunk, stream_for
 from ..format.header import Header
-from .descriptor import LayoutDescriptor
+from .descriptor import BoundBuffers
 from .ids import id_runs, run_start
 
 __all__ = ["ScatterHandle", "ScatterMixin"]
 
 
-class ScatterMixin:
+class ScatterMixin(BoundBuffers):
     """The scatter methods of ``EngineBuffers``."""
 
-    # supplied by EngineBuffers (binding.py)
-    layout: LayoutDescriptor
-    block_size: int
-    device: Any
-    geometry: list  # a binding.LayerGeometry per layer
-    int_views: list[dict]
-
-    if TYPE_CHECKING:
-        def use_index_kernels(self) -> bool: ...
+    if TYPE_CHECKING:  # supplied by EngineBuffers (binding.py)
         def ids_within(self, ids, num_tokens: int, layer_capacity: int, *, unique: bool) -> np.ndarray: ...
         def check_header(self, h: Header) -> None: ...
 
