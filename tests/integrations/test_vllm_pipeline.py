@@ -7,9 +7,12 @@ loads (vLLM recomputes), never as a hang or wrong data (spec/store.md KVW-STORE-
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ from test_vllm_plan import MODEL_DIR, fidelity, fidelity_key, paged_buffer, rand
 
 import kvwire
 from kvwire.cache.tensors import as_numpy
-from kvwire.integrations.vllm_pipeline import LayerPipeline
+from kvwire.integrations.vllm_pipeline import LayerPipeline, Loader
 from kvwire.integrations.vllm_plan import (
     ModelKey,
     RequestState,
@@ -195,7 +198,7 @@ def test_steps_share_one_loader_thread(fidelity_key):
     key, kv = fidelity_key, KVStore(MemoryStore())
     prompt, src = stored_prompt(key, kv, 2 * C, 3)
     names = []
-    with ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads") as loader:
+    with Loader() as loader:
         for step in range(3):
             bufs = consumer_buffers(key, 6, 11 + step)
             pipe, served = run_pipeline(key, kv, [("a", prompt, 0, 2 * C, [1, 3, 5, 2])], bufs, executor=loader)
@@ -203,7 +206,27 @@ def test_steps_share_one_loader_thread(fidelity_key):
             got = gather_slots(bufs[0], slots([1, 3, 5, 2], BS, 0, 2 * C), 64)
             assert np.array_equal(bits(got["k"]), bits(src[0]["k"][:, :2 * C]))
             names.append(loader.submit(lambda: threading.current_thread().ident).result())
-    assert len(set(names)) == 1
+    assert len(set(names)) == 1 and names[0] == loader.thread.ident
+
+
+def test_a_stuck_loader_never_holds_up_the_engines_exit():
+    """An engine that dies mid-step leaves its pipeline waiting for a forward pass that will
+    not come; the loader thread is a daemon, so the process still exits (a
+    ThreadPoolExecutor's worker would be joined at exit, forever)."""
+    code = ("import threading; from kvwire.integrations.vllm_pipeline import Loader; "
+            "Loader().submit(threading.Event().wait); print('submitted')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(kvwire.__file__).parents[1])))
+    assert p.returncode == 0 and p.stdout.strip() == "submitted", p.stderr[-2000:]
+
+
+def test_the_loader_runs_calls_in_order_and_hands_back_errors():
+    with Loader() as loader:
+        order = []
+        futures = [loader.submit(order.append, i) for i in range(5)]
+        assert [f.result(timeout=30) for f in futures] == [None] * 5 and order == list(range(5))
+        with pytest.raises(ZeroDivisionError):
+            loader.submit(lambda: 1 / 0).result(timeout=30)
 
 
 def test_the_loader_places_layers_before_it_says_they_are_ready(fidelity_key):
@@ -219,7 +242,7 @@ def test_the_loader_places_layers_before_it_says_they_are_ready(fidelity_key):
         (arrays,) = got
         scatter_slots(bufs[i], slots(blocks, BS, 0, 2 * C), arrays, key.arch.layers[i].head_dim_k)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads") as loader:
+    with Loader() as loader:
         pipe = LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, timeout=5, executor=loader,
                              place=place)
         for i in range(key.arch.num_layers):

@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,7 +69,7 @@ from ..store import KVStore, StoreError, default_store_url, open_store
 from ..store.auth import Keyring
 from .vllm_engine import engine_layout_of, layer_packing, layer_scales_of, model_config_json, platform_fp8
 from .vllm_identity import reason_kind, request_identity
-from .vllm_pipeline import LayerPipeline, same_scales
+from .vllm_pipeline import LayerPipeline, Loader, same_scales
 from .vllm_plan import (
     FP8_TORCH,
     LoadSpec,
@@ -157,7 +156,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self.engine_layout = None
         self._packing: list[tuple] = []  # per layer (packing, cpu_isa): kvwire.layouts' gather_slots arguments
         self._pipe: LayerPipeline | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvwire-layer-loads")  # one for every step
+        self._loader = Loader()  # one thread for every step's loads
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()

@@ -24,6 +24,7 @@ without an engine.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
@@ -53,6 +54,32 @@ def same_scales(header, kv_scales) -> bool:
     if kv_scales is None:
         return header.kv_scales is None
     return header.kv_scales is not None and header.kv_scales == tuple(KVScale(k, v) for k, v in kv_scales)
+
+
+class Loader(Executor):
+    """One long-lived daemon thread that runs the submitted calls in order: the connector's
+    loader, so no thread is started per engine step. Unlike a ThreadPoolExecutor's worker it
+    never holds up the interpreter's exit (an engine that dies mid-step leaves its pipeline
+    waiting for a forward pass that will not come)."""
+
+    def __init__(self, name: str = "kvwire-layer-loads"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 (handed to the future's owner)
+                    future.set_exception(exc)
 
 
 class LayerPipeline:
@@ -161,4 +188,4 @@ class LayerPipeline:
         return [0 if x is None or x.header is None else min(x.served, x.tokens) for x in self.loads]
 
 
-__all__ = ["LayerPipeline", "rescale_layer", "same_scales"]
+__all__ = ["LayerPipeline", "Loader", "rescale_layer", "same_scales"]
