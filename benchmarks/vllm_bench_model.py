@@ -106,16 +106,10 @@ def cpu_description() -> dict:
 
 
 def drop_page_cache(folders: list[Path]) -> str:
-    """Evict the files under ``folders`` from the page cache before a first read; returns how:
-    "drop_caches" (the kernel's whole page cache, needs root) or "fadvise" (POSIX_FADV_DONTNEED
-    on each file, after fsync)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    """Evict the files under ``folders`` (the benchmark's own stores) from the page cache
+    before a first read, by POSIX_FADV_DONTNEED on each file after fsync; returns "fadvise".
+    Never the kernel's whole cache (/proc/sys/vm/drop_caches): a benchmark touches nothing
+    it did not create."""
     for folder in folders:
         for root, _, files in os.walk(folder):
             for name in files:
