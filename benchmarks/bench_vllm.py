@@ -17,7 +17,10 @@ again (page cache warm); the load average is recorded around each path; each hit
 effective GB/s stand beside a read-from-page-cache + memcpy of the same bytes measured in the
 run; the first token of every request is compared with recompute's.
 
-Paths: recompute (no connector), kvwire file store, kvwire Redis (a redis-server started here),
+Paths: recompute (no connector), vLLM's own prefix cache (the same engine answers each prompt
+twice: the second time it holds the KV already, so nothing is moved: the floor any connector's
+hit is measured against, and the reference for the first token of a hit: a connector's hit
+computes the same tail from the same KV, so its token must be the same), kvwire file store, kvwire Redis (a redis-server started here),
 vLLM's ExampleConnector, and LMCache 0.5.6 (`make lmcache`) on that Redis and in its in-process
 CPU memory (the same engine stores, then hits) when LMCache imports in .venv-vllm; LMCache's
 release has no vLLM CPU path, so its engines get the gather/scatter of
@@ -51,6 +54,7 @@ DRIVER = REPO / "tests" / "vllm_driver.py"
 GIB = 1 << 30
 PATHS = {  # name: (label, kind); kinds: recompute, store (producer + consumer engines), same (one engine)
     "recompute": ("recompute (no connector)", "recompute"),
+    "vllm-prefix": ("vLLM's own prefix cache (same engine: zero copies, the floor of a hit)", "same"),
     "kvwire-file": ("kvwire, file store", "store"),
     "kvwire-redis": ("kvwire, Redis", "store"),
     "example": ("vLLM ExampleConnector (safetensors files)", "store"),
@@ -122,13 +126,15 @@ class Bench:
             env["PYTHONHASHSEED"] = "0"  # LMCache keys tokens with hash(): every process must agree
         return env
 
-    def engine(self, name: str, prompts: list, connector=None, kv_connector=None, env=None) -> dict:
+    def engine(self, name: str, prompts: list, connector=None, kv_connector=None, env=None,
+               prefix_caching: bool = False) -> dict:
         """One engine process, the prompts one at a time with max_tokens 1 (wall time = TTFT)."""
         self.engines += 1
         tag = f"{self.engines:03d}-{name}"
         sp, out = self.tmp / f"{tag}.spec.json", self.tmp / f"{tag}.out.json"
         spec = {"model": str(self.model), "prompts": prompts, "connector": connector, "max_tokens": 1,
-                "one_by_one": True, "max_model_len": self.max_len, "max_num_batched_tokens": self.max_len}
+                "one_by_one": True, "max_model_len": self.max_len, "max_num_batched_tokens": self.max_len,
+                "prefix_caching": prefix_caching}
         if kv_connector:
             spec["kv_connector"] = kv_connector
         sp.write_text(json.dumps(spec))
@@ -187,7 +193,8 @@ class Bench:
             res = self.engine(f"r{rnd}-{key}", [self.warm] + self.flat)
             row["hit_first"] = self.split(res, 1)[0]
         elif kind == "same":
-            res = self.engine(f"r{rnd}-{key}", [self.warm] + self.flat * 2, conn, name, env)
+            res = self.engine(f"r{rnd}-{key}", [self.warm] + self.flat * 2, conn, name, env,
+                              prefix_caching=key == "vllm-prefix")
             row["miss"], row["hit_first"] = self.split(res, 2)
         else:
             prod = self.engine(f"r{rnd}-{key}-producer", [self.warm] + self.flat, conn, name, env)

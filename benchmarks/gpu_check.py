@@ -329,8 +329,8 @@ def main(argv=None) -> int:
 
     def vllm_connector():
         from kvwire.integrations.vllm_pipeline import LayerPipeline
-        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, slots
-        from kvwire.layouts import gather_slots, scatter_slots
+        from kvwire.integrations.vllm_plan import ModelKey, chunk_cache, place_parts, slots
+        from kvwire.layouts import PagedLayer, gather_slots
         from kvwire.store import KVStore, MemoryStore
 
         arch = kvwire.Architecture.uniform(args.layers, args.heads, args.head_dim)
@@ -355,12 +355,13 @@ def main(argv=None) -> int:
             kv.put_cache(chunk_cache(key, layers, 0, T), prompt)
             dst = [torch.zeros_like(x) for x in src]
             out = slots(blocks_b, bs, 0, T - 1)
+            paged = [PagedLayer(x, args.head_dim) for x in dst]
 
             def run():
                 pipe = LayerPipeline(kv, key.space, [("r", prompt, T // C)], args.layers, depth=2)
+                plans: dict = {}
                 for i in range(args.layers):
-                    arrays = pipe.wait(i)[0]
-                    scatter_slots(dst[i], out, {c: x[:, :T - 1] for c, x in arrays.items()}, args.head_dim)
+                    place_parts(paged[i], pipe.wait(i)[0], blocks_b, bs, 0, T - 1, plans)
                     pipe.done(i)
                 env.sync()
                 return pipe.close()

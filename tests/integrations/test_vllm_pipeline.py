@@ -27,11 +27,12 @@ from kvwire.integrations.vllm_plan import (
     RequestState,
     chunk_cache,
     chunks_to_save,
+    place_parts,
     slots,
     stored_chunks,
     tail_to_save,
 )
-from kvwire.layouts import gather_slots, scatter_slots
+from kvwire.layouts import PagedLayer, gather_slots, scatter_slots
 from kvwire.store import KVStore, MemoryStore
 
 C, BS = 32, 16
@@ -66,13 +67,20 @@ def run_pipeline(key, kv, requests, bufs, depth=2, skip_layer=None, executor=Non
         if i == skip_layer:
             continue
         got = pipe.wait(i)
-        for (_rid, _toks, start, stop, blocks), arrays in zip(requests, got):
-            n = 0 if arrays is None else min(arrays["k"].shape[1], stop)
-            if n > start:
-                scatter_slots(bufs[i], slots(blocks, BS, start, n), {c: x[:, start:n] for c, x in arrays.items()},
-                              spec.head_dim_k)
+        for (_rid, _toks, start, stop, blocks), parts in zip(requests, got):
+            place_parts(PagedLayer(bufs[i], spec.head_dim_k), parts, blocks, BS, start, stop)
         pipe.done(i)
     return pipe, pipe.close()
+
+
+def corrupt_body(store, key: str, layer: int, at: int = 0) -> None:
+    """Flip one bit of the object's first body of ``layer`` (byte ``at`` of it), in place in
+    the store: a bit rot the checksum must catch."""
+    data = bytearray(store.get(key))
+    r = kvwire.open(bytes(data))
+    data[r.info(next(i for i in range(r.chunk_count) if r.info(i).layer == layer)).offset + at] ^= 1
+    store.delete(key)
+    store.put(key, bytes(data))
 
 
 def bits(x):
@@ -128,12 +136,7 @@ def test_corrupt_chunk_found_at_layer_2_cuts_what_every_layer_holds(fidelity_key
     kv = KVStore(store)
     prompt, src = stored_prompt(key, kv, 4 * C, 5)
     k2 = key.space.keys(prompt)[2]
-    data = bytearray(store.get(k2))
-    r = kvwire.open(bytes(data))
-    j = next(i for i in range(r.chunk_count) if r.info(i).layer == 2)
-    data[r.info(j).offset] ^= 1
-    store.delete(k2)
-    store.put(k2, bytes(data))
+    corrupt_body(store, k2, 2)
     bufs = consumer_buffers(key, 12, 6)
     blocks = list(range(8))
     _, served = run_pipeline(key, kv, [("a", prompt, 0, 4 * C - 1, blocks)], bufs)
@@ -239,8 +242,8 @@ def test_the_loader_places_layers_before_it_says_they_are_ready(fidelity_key):
 
     def place(i, got):
         placed_by.append(threading.current_thread().name)
-        (arrays,) = got
-        scatter_slots(bufs[i], slots(blocks, BS, 0, 2 * C), arrays, key.arch.layers[i].head_dim_k)
+        (parts,) = got
+        assert place_parts(PagedLayer(bufs[i], key.arch.layers[i].head_dim_k), parts, blocks, BS, 0, 2 * C) == 2 * C
 
     with Loader() as loader:
         pipe = LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, timeout=5, executor=loader,
@@ -419,10 +422,7 @@ def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
         dst = [torch.zeros_like(x) for x in src]
         pipe = LayerPipeline(kv, key.space, [("r", prompt, T // C)], arch.num_layers, kv_scales=engine_scales)
         for i, s in enumerate(arch.layers):
-            arrays = pipe.wait(i)[0]
-            if arrays is not None and arrays["k"].shape[1]:
-                n = arrays["k"].shape[1]
-                scatter_slots(dst[i], slots(blocks, BS, 0, n), arrays, s.head_dim_k)
+            place_parts(PagedLayer(dst[i], s.head_dim_k), pipe.wait(i)[0], blocks, BS, 0, T)
             pipe.done(i)
         return dst, pipe.close(), pipe
 
@@ -439,3 +439,70 @@ def test_fp8_uint8_buffers_round_trip_with_their_scales(fidelity, fmt):
         assert torch.equal(got["v"], layers[i]["v"])  # V scales unchanged: V elements as stored
     assert same_scales(cache.header, scales) and not same_scales(cache.header, other)
     assert not same_scales(cache.header, None)
+
+
+def inline_pipeline(key, kv, requests, bufs, threads=2):
+    """The CPU schedule (``inline=True``): every layer read and placed on the loader's
+    threads before the constructor returns; returns (pipeline, served per request)."""
+    paged = [PagedLayer(b, s.head_dim_k) for b, s in zip(bufs, key.arch.layers)]
+    plans: dict = {}
+
+    def place(i, got):
+        for (rid, _toks, start, stop, blocks), parts in zip(requests, got):
+            place_parts(paged[i], parts, blocks, BS, start, stop, plans.setdefault(rid, {}))
+
+    with Loader(threads=threads) as loader:
+        pipe = LayerPipeline(kv, key.space, [(rid, toks, -(-stop // C)) for rid, toks, _, stop, _ in requests],
+                             key.arch.num_layers, timeout=5, executor=loader, place=place, inline=True)
+        return pipe, pipe.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_inline_loads_place_every_layer_of_two_requests_before_returning(fidelity_key, threads):
+    """The CPU schedule: when the constructor returns every layer of both requests is in its
+    blocks, bit-exact, whatever thread placed it; other blocks are untouched."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    pa, ka = stored_prompt(key, kv, 3 * C + 5, 11)
+    pb, kb = stored_prompt(key, kv, 2 * C, 12)
+    bufs = consumer_buffers(key, 30, 13)
+    before = [b.clone() for b in bufs]
+    reqs = [("a", pa[:3 * C], 0, 3 * C - 1, [20, 3, 7, 8, 9, 21]), ("b", pb, 32, 2 * C - 1, [1, 2, 25, 26])]
+    pipe, served = inline_pipeline(key, kv, reqs, bufs, threads)
+    assert served == [3 * C, 2 * C] and pipe.error is None and not pipe.running(0)
+    for i, spec in enumerate(key.arch.layers):
+        for (_, _, start, stop, blocks), src in ((reqs[0], ka[i]), (reqs[1], kb[i])):
+            got = gather_slots(bufs[i], slots(blocks, BS, start, stop), spec.head_dim_k)
+            assert np.array_equal(bits(got["k"]), bits(src["k"][:, start:stop]))
+            assert np.array_equal(bits(got["v"]), bits(src["v"][:, start:stop]))
+        other = [b for b in range(30) if b not in {*reqs[0][4], *reqs[1][4]}]
+        assert torch.equal(bufs[i][other].view(torch.int16), before[i][other].view(torch.int16))
+        assert torch.equal(bufs[i][1].view(torch.int16), before[i][1].view(torch.int16))  # b's first block: start 32
+
+
+def test_inline_loads_cut_at_a_corrupt_chunk_on_any_thread(fidelity_key):
+    """KVW-CSUM-1 with layers read on two threads: chunk 1's layer-3 body is corrupt, so the
+    load serves chunk 0 only, however the layers interleaved, and the object is deleted."""
+    key, store = fidelity_key, MemoryStore()
+    kv = KVStore(store)
+    prompt, _ = stored_prompt(key, kv, 3 * C, 14)
+    k1 = key.space.keys(prompt)[1]
+    corrupt_body(store, k1, 3, at=5)
+    _, served = inline_pipeline(key, kv, [("a", prompt, 0, 3 * C - 1, list(range(6)))], consumer_buffers(key, 8, 15))
+    assert served == [C] and kv.counts["checksum_failures"] == 1 and not store.exists(k1)
+
+
+def test_inline_needs_an_executor_and_a_place_and_a_failure_is_a_failed_load(fidelity_key):
+    """Misuse is refused; an error while placing fails the whole step (vLLM recomputes)."""
+    key, kv = fidelity_key, KVStore(MemoryStore())
+    prompt, _ = stored_prompt(key, kv, 2 * C, 16)
+    with pytest.raises(ValueError, match="give executor and place"):
+        LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, inline=True)
+
+    def place(i, got):
+        if i == 2:
+            raise RuntimeError("scatter failed")
+
+    with Loader(threads=2) as loader:
+        pipe = LayerPipeline(kv, key.space, [("a", prompt, 2)], key.arch.num_layers, executor=loader, place=place,
+                             inline=True)
+    assert isinstance(pipe.error, RuntimeError) and pipe.close() == [0]

@@ -155,3 +155,33 @@ def test_other_element_widths_are_refused():
     buf = torch.zeros((2, 1, 4, 16), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="convert explicitly"):
         scatter_slots(buf, np.arange(3), {"k": torch.zeros((1, 3, 8)), "v": torch.zeros((1, 3, 8))}, 8)
+
+
+def test_a_paged_layer_and_a_slot_plan_serve_every_layer_like_scatter_slots():
+    """``PagedLayer`` works the views out once and a ``SlotPlan`` the copies once: used
+    layer after layer (read-only numpy views of bytes included, as a store's reply gives
+    them), they write what ``scatter_slots`` writes and gather it back; a plan made for
+    another block size is refused."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(5)
+    ids = layouts.slots_from_blocks([6, 1, 3, 4], 32, 100)[7:]
+    for packing, isa in (("channels", None), ("tokens", "vec"), ("tokens", "amx")):
+        bufs = [torch.randint(-2**15, 2**15 - 1, (8, 2, 32, 64), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+                for _ in range(3)]
+        want = [b.clone() for b in bufs]
+        plan = layouts.SlotPlan(ids, 32)
+        for buf, ref in zip(bufs, want):
+            raw = torch.randint(-2**15, 2**15 - 1, (2, 2, len(ids), 32), dtype=torch.int16, generator=gen)
+            blob = raw.numpy().tobytes()  # read-only, like a store's reply
+            k, v = (np.frombuffer(blob, np.uint16, len(ids) * 64, x * len(ids) * 64 * 2).reshape(2, len(ids), 32)
+                    for x in (0, 1))
+            layer = layouts.PagedLayer(buf, 32, packing, isa)
+            layer.scatter(plan, {"k": k, "v": v})
+            layouts.scatter_slots(ref, ids, {"k": k, "v": v}, 32, packing, isa)
+            assert torch.equal(buf.view(torch.int16), ref.view(torch.int16)), (packing, isa)
+            got = layer.gather(plan)
+            assert np.array_equal(got["k"].view(torch.int16).numpy().view(np.uint16), k)
+            assert np.array_equal(got["v"].view(torch.int16).numpy().view(np.uint16), v)
+        with pytest.raises(ValueError, match="blocks of 16 tokens"):
+            layouts.PagedLayer(bufs[0], 32, packing, isa).scatter(layouts.SlotPlan(ids, 16), {"k": k, "v": v})

@@ -50,7 +50,7 @@ PUBLIC = {
         "DEPRECATED", "encode_from_engine", "EngineBuffers", "gather", "gather_cache", "gather_slots",
         "get_layout", "header_for", "iter_buffers_from_engine", "iter_chunks", "kv_cache_layout_name",
         "KV_CACHE_LAYOUTS", "KV_PACKINGS", "LayerGeometry", "layout_names", "LayoutDescriptor",
-        "LayoutMismatchError", "LAYOUTS", "needed_hints", "OffloadRing", "RingFullError",
+        "LayoutMismatchError", "LAYOUTS", "needed_hints", "OffloadRing", "PagedLayer", "RingFullError", "SlotPlan",
         "save_from_engine", "scatter", "scatter_slots", "ScatterHandle", "SLOT_PACKINGS",
         "slots_from_blocks", "VLLM_BACKENDS", "vllm_cross_layer_view", "vllm_kv_packing", "vllm_layout_of",
     ],

@@ -231,3 +231,75 @@ def test_store5_get_ranges_gives_each_key_its_own_range(tmp_path, backend, reque
         assert store.get_ranges([]) == []
     finally:
         store.close()
+
+
+@settings(max_examples=20, deadline=None)
+@given(T=st.integers(1, 23), codec=st.sampled_from(CODECS), big=st.booleans(), seed=st.integers(0, 3))
+def test_store27_parts_are_the_layer_as_views_of_the_replies_property(T, codec, big, seed):
+    """``parts`` hands out each object's layer in token order, bit-identical to ``decode``;
+    a raw body is a read-only view of the store's reply (no copy between the store and the
+    caller), and a decoded codec body an array of its own."""
+    kv = KVStore(MemoryStore())
+    cache = big_cache(T, seed) if big else make_cache(T, seed=seed)
+    tokens = token_ids(T, seed)
+    kv.put_cache(cache, tokens, codec=codec, partial=True)
+    space = KeySpace.of(cache.header, codec=codec)
+    want = kv.get_cache(tokens, space)
+    load = LayerwiseLoad(kv, tokens, space)
+    for i in range(cache.num_layers):
+        fetch_layer([load], i)
+        parts = load.parts(i)
+        assert [a for a, _ in parts] == load.starts[:len(parts)]
+        assert sum(p["k"].shape[1] for _, p in parts) == load.served == want.tokens
+        for a, p in parts:
+            for c in "kv":
+                n = p[c].shape[1]
+                assert same_bits(p[c], want.cache.layers[i][c][:, a:a + n])
+                if codec == "raw" and not big:
+                    assert not p[c].flags.writeable  # a view of the reply, not a copy
+    assert load.served == want.tokens
+
+
+def test_store27_a_corrupt_body_in_a_reply_cuts_served_and_ends_the_parts():
+    """KVW-CSUM-1 on the reply itself: a body corrupted between the store and the loader
+    (flipped in the reply) fails its checksum, the object is counted and deleted, and the
+    parts stop before it."""
+    kv = KVStore(MemoryStore())
+    cache, tokens = big_cache(3 * C), token_ids(3 * C)
+    kv.put_cache(cache, tokens)
+    space = KeySpace.of(cache.header)
+    load = LayerwiseLoad(kv, tokens, space)
+    reqs = load.layer_requests(1)
+    replies = kv.store.get_ranges(reqs)
+    bad = bytearray(replies[1])
+    bad[-1] ^= 0xFF  # the last byte of the layer's last body in object 1
+    load.take(1, [replies[0], bytes(bad), replies[2]])
+    parts = load.parts(1)
+    assert [a for a, _ in parts] == [0] and load.served == C
+    assert kv.counts.checksum_failures == 1 and not kv.store.exists(load.keys[1])
+
+
+def test_reader_stored_at_checks_the_window_like_the_whole_object():
+    """``Reader.stored_at`` over a window of the object's bytes gives the same body as
+    ``stored``, checks frame and checksum there, and refuses a window that does not hold
+    the record (the caller's range is wrong: a ValueError, not a format error)."""
+    from kvwire.format.container import FRAME_SIZE
+    from kvwire.format.errors import ChecksumError
+
+    cache = big_cache(C)
+    blob = kvwire.encode(cache)
+    r = kvwire.open(blob)
+    i = 3
+    c, body = r.stored(i)
+    lo = c.offset - FRAME_SIZE
+    window = blob[lo:c.offset + c.stored_length]
+    c2, body2 = kvwire.open(blob).stored_at(i, window, lo)
+    assert c2 == c and bytes(body2) == bytes(body)
+    with pytest.raises(ValueError, match="does not hold"):
+        kvwire.open(blob).stored_at(i, window[:-1], lo)
+    with pytest.raises(ValueError, match="does not hold"):
+        kvwire.open(blob).stored_at(i, window, lo + FRAME_SIZE)
+    bad = bytearray(window)
+    bad[-1] ^= 1
+    with pytest.raises(ChecksumError):
+        kvwire.open(blob).stored_at(i, bytes(bad), lo)

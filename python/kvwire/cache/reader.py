@@ -219,12 +219,24 @@ class Reader:
     def stored(self, i: int, verify: bool = True) -> tuple[ChunkInfo, memoryview]:
         """(ChunkInfo, stored bytes) of record ``i``: a view of the container, its frame checked
         against the index once (file form) and its checksum verified unless ``verify=False``."""
-        c = self.info(i)
         if self._guard is not None:
             self._guard()
-        stored = memoryview(self._buf)[c.offset : c.offset + c.stored_length]
+        return self.stored_at(i, self._buf, 0, verify)
+
+    def stored_at(self, i: int, window: Any, base: int, verify: bool = True) -> tuple[ChunkInfo, memoryview]:
+        """``stored(i)`` over ``window``, a buffer holding the container's bytes from offset
+        ``base`` on (a layer's frames read on their own, ``kvwire.store.LayerwiseLoad``): the
+        same frame and checksum checks, the body a view of ``window``. A window that does
+        not hold the record's frame and body is a ValueError (the caller's range is wrong)."""
+        c = self.info(i)
+        at = c.offset - base
+        win = memoryview(window).cast("B")
+        if base < 0 or at - FRAME_SIZE < 0 or at + c.stored_length > len(win):
+            raise ValueError(f"window [{base}, {base + len(win)}) does not hold chunk {i}'s frame and body "
+                             f"[{c.offset - FRAME_SIZE}, {c.offset + c.stored_length})")
+        stored = win[at : at + c.stored_length]
         if self._frame_checked is not None and not self._frame_checked[i]:
-            marker, body = parse_frame(self._buf, c.offset - FRAME_SIZE)
+            marker, body = parse_frame(win, at - FRAME_SIZE)
             if marker != CHUNK_MARKER or body != self.records[i : i + 1].tobytes():
                 raise LayoutError("INDEX_MISMATCH", f"frame before body {i} disagrees with the index record",
                                   rule="KVW-FILE-4")

@@ -19,10 +19,14 @@ blocks, leaving at least one token to compute; ``build_connector_meta`` hands th
 ``KVWireMetadata`` of loads (tokens and block ids) and saves (whole chunks that this step
 completes and that were not loaded). Worker side: ``register_kv_caches`` takes vLLM's
 standardised per-layer view ``[num_blocks, heads, block_size, 2 * head_dim]``; loads are
-read layer by layer (``LayerPipeline``: a thread opens the step's chunk objects and fetches
-and decodes one layer at a time, one or two layers ahead of the forward pass, each chunk's
-checksums verified; ``wait_for_layer_load`` scatters the ready layer into the paged buffer
-just before its attention runs), and a chunk that fails (missing, evicted, corrupted, store down) reports its blocks through
+read layer by layer (``LayerPipeline``: the step's chunk objects opened with two batched
+reads, then one batched read per layer, each chunk's frames and checksums verified where the
+store's reply lies, and each chunk copied from there into its blocks: one copy). On devices a
+loader thread stays one or two layers ahead of the forward pass and ``wait_for_layer_load``
+scatters the ready layer just before its attention runs; on the CPU, whose forward pass
+computes on every core the loader would take, ``start_load_kv`` loads every layer first on as
+many threads as the engine computes with (``layerwise``: "auto"). A chunk that fails (missing,
+evicted, corrupted, store down) reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them: a failed load costs time, never
 wrong tokens (set ``kv_load_failure_policy: "recompute"``; vLLM's default fails the
 request). ``save_kv_layer`` gathers each layer's slots of the chunks to save;
@@ -38,8 +42,10 @@ as ``unbindable`` and logged once per reason.
 Extra config: ``store`` (a ``kvwire.store`` URL; default ``kvwire.store.default_store_url()``,
 a private per-user cache directory; ``memory://`` is refused: the scheduler and the workers
 are separate processes with their own memory, so it could never hit), ``chunk_tokens`` (256), ``codec`` ("raw"; "zstd", or a lossy preset such as
-"int8"), ``timeout`` (store call timeout, seconds), ``layerwise`` (true; false loads every
-layer in ``start_load_kv``), ``prefetch_layers`` (2: layers read ahead), ``save_partial``
+"int8"), ``timeout`` (store call timeout, seconds), ``layerwise`` ("auto": layer by layer
+during the forward pass on devices, every layer in ``start_load_kv`` on the CPU; true or false
+forces one), ``load_threads`` ("auto": 1 layer-wise, else the engine's compute threads),
+``prefetch_layers`` (2: layers read ahead), ``save_partial``
 (true: the prompt's trailing partial chunk is stored and matched too, so an exact repeat of
 a prompt loads all but its last block, like vLLM's ExampleConnector; false: whole chunks
 only), ``model_fingerprint`` (hex; instead of
@@ -62,14 +68,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..adapters.hf_model import arch_from_config
-from ..layouts import gather_slots, scatter_slots
+from ..layouts import PagedLayer
 from ..model.compat import LocalModel, check_compatible
-from ..model.rescale import rescale_cache
 from ..store import KVStore, StoreError, default_store_url, open_store
 from ..store.auth import Keyring
-from .vllm_engine import engine_layout_of, layer_packing, layer_scales_of, model_config_json, platform_fp8
+from .vllm_engine import (
+    compute_threads,
+    engine_layout_of,
+    layer_packing,
+    layer_scales_of,
+    model_config_json,
+    platform_fp8,
+)
 from .vllm_identity import reason_kind, request_identity
-from .vllm_pipeline import LayerPipeline, Loader, same_scales
+from .vllm_pipeline import LayerPipeline, Loader
 from .vllm_plan import (
     FP8_TORCH,
     LoadSpec,
@@ -81,6 +93,7 @@ from .vllm_plan import (
     chunks_to_save,
     layer_index,
     matched_tokens,
+    place_parts,
     slots,
     stored_chunks,
     tail_to_save,
@@ -112,13 +125,18 @@ class KVWireConnector(KVConnectorBase_V1):
             raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of vLLM's block_size "
                              f"{self.block_size}")
         self.codec = extra.get("codec", "raw")
-        self.layerwise = extra.get("layerwise", True)
+        self.layerwise = extra.get("layerwise", "auto")
         self.save_partial = extra.get("save_partial", True)
         if not isinstance(self.save_partial, bool):
             raise ValueError(f"save_partial must be true or false, not {self.save_partial!r}")
         self.depth = extra.get("prefetch_layers", 2)
-        if not isinstance(self.layerwise, bool):
-            raise ValueError(f"layerwise must be true or false, not {self.layerwise!r}")
+        if self.layerwise not in (True, False, "auto") or isinstance(self.layerwise, int) and \
+                not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be true, false or \"auto\", not {self.layerwise!r}")
+        threads = extra.get("load_threads", "auto")
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"load_threads must be \"auto\" or an int >= 1, not {threads!r}")
+        self.load_threads = threads
         if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
             raise ValueError(f"prefetch_layers (layers read ahead of the forward pass) must be an int >= 1, "
                              f"not {self.depth!r}")
@@ -155,8 +173,11 @@ class KVWireConnector(KVConnectorBase_V1):
         self._index: dict[str, int] = {}
         self.engine_layout = None
         self._packing: list[tuple] = []  # per layer (packing, cpu_isa): kvwire.layouts' gather_slots arguments
+        self._paged: list[PagedLayer] = []  # per layer, the paged view slots are copied with
+        self._plans: dict[str, dict] = {}  # per request loading this step: each part's SlotPlan (same in every layer)
         self._pipe: LayerPipeline | None = None
-        self._loader = Loader()  # one thread for every step's loads
+        self._loader: Loader | None = None  # the loader threads, started with the KV buffers
+        self._ahead = True  # layer-wise (resolved from layerwise when the KV buffers are known)
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()
@@ -277,8 +298,16 @@ class KVWireConnector(KVConnectorBase_V1):
                                  f"heads, {self.block_size} tokens, {want_c} channels] view")
         self._packing = [layer_packing(self._vllm_config, name, spec, self.block_size)
                          for name, spec in zip(self._order, self.arch.layers)]
+        self._paged = [PagedLayer(kv_caches[name], spec.head_dim_k, *packing)  # views worked out once
+                       for name, spec, packing in zip(self._order, self.arch.layers, self._packing)]
         self.engine_layout = engine_layout_of(self._vllm_config, self._order, [kv_caches[n] for n in self._order],
                                               self.arch, self.block_size)
+        on_cpu = next(iter(self._layers.values())).device.type == "cpu"
+        # "auto": layer-wise on devices; on the CPU every layer before the forward pass, whose kernels use every
+        # core a loader thread would compete for (docs/vllm.md: measured 25-30% slower hits with the loader)
+        self._ahead = self.layerwise if self.layerwise != "auto" else not on_cpu
+        threads = self.load_threads if self.load_threads != "auto" else 1 if self._ahead else compute_threads()
+        self._loader = Loader(threads=threads)
 
     def _scales(self):
         """The per-layer (k_scale, v_scale) of an fp8 cache (None otherwise), read when used:
@@ -289,37 +318,18 @@ class KVWireConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not meta.loads:
             return
-        if self.layerwise:  # read layer by layer in a thread, a layer or two ahead of the forward pass
-            C = self.chunk_tokens
-            self._piped = specs = list(meta.loads)
-            on_cpu = next(iter(self._layers.values())).device.type == "cpu"  # the loader places the layers itself
-            self._pipe = LayerPipeline(self.kv, self.key.space, [(s.req_id, s.tokens, -(-s.stop // C), s.identity)
-                                                                 for s in specs],
-                                       self.arch.num_layers, depth=self.depth, timeout=self.load_timeout,
-                                       kv_scales=self._scales(), executor=self._loader,
-                                       place=(lambda i, got: self._place(i, specs, got)) if on_cpu else None)
-            return
-        for spec in meta.loads:
-            self._load(spec)
-        self._write_stats(True)
-
-    def _load(self, spec: LoadSpec) -> None:
         C = self.chunk_tokens
-        try:
-            got = self.kv.get_cache(spec.tokens, self.key.space, n_chunks=-(-spec.stop // C), identity=spec.identity)
-        except StoreError as exc:
-            log.warning("kvwire load of %s failed, vLLM recomputes: %s", spec.req_id, exc)
-            got = None
-        served = 0 if got is None or got.cache is None else min(got.tokens, spec.stop)
-        if served and not same_scales(got.cache.header, self._scales()):  # requantized to ours (KVW-SCALE-7)
-            got = replace(got, cache=rescale_cache(got.cache, self._scales()))
-            self.counts.add("rescaled_loads")
-        if served > spec.start:
-            ids = slots(spec.block_ids, self.block_size, spec.start, served)
-            for i, name in enumerate(self._order):
-                layer = {c: x[:, spec.start:served] for c, x in got.cache.layers[i].items()}
-                scatter_slots(self._layers[name], ids, layer, self.arch.layers[i].head_dim_k, *self._packing[i])
-        self._loaded(spec, served)
+        self._piped = specs = list(meta.loads)
+        loads = [(s.req_id, s.tokens, -(-s.stop // C), s.identity) for s in specs]
+        on_cpu = next(iter(self._layers.values())).device.type == "cpu"
+        place = (lambda i, got: self._place(i, specs, got)) if on_cpu or not self._ahead else None
+        # layer-wise: a loader thread reads a layer or two ahead of the forward pass (places them itself on the
+        # CPU); otherwise every layer is read and placed here, on the loader's threads, before the forward pass
+        self._pipe = LayerPipeline(self.kv, self.key.space, loads, self.arch.num_layers, depth=self.depth,
+                                   timeout=self.load_timeout, kv_scales=self._scales(), executor=self._loader,
+                                   place=place, inline=not self._ahead)
+        if not self._ahead:
+            self._finish_loads()
 
     def _loaded(self, spec: LoadSpec, served: int) -> None:
         """Count a load that put tokens [start, served) in place; vLLM recomputes the rest."""
@@ -343,20 +353,18 @@ class KVWireConnector(KVConnectorBase_V1):
             self._pipe.done(i)
 
     def _place(self, i: int, specs: list, got: list) -> None:
-        """Layer ``i`` of each load (its arrays, or None) into the paged buffer, from the
-        load's first token to the tokens it served."""
-        for spec, arrays in zip(specs, got):
-            n = 0 if arrays is None else min(next(iter(arrays.values())).shape[1], spec.stop)
-            if n > spec.start:
-                ids = slots(spec.block_ids, self.block_size, spec.start, n)
-                scatter_slots(self._layers[self._order[i]], ids, {c: x[:, spec.start:n] for c, x in arrays.items()},
-                              self.arch.layers[i].head_dim_k, *self._packing[i])
+        """Layer ``i`` of each load (its parts, or None) into the paged buffer, from the
+        load's first token to the tokens it served, straight from the store's bytes."""
+        for spec, parts in zip(specs, got):
+            place_parts(self._paged[i], parts, spec.block_ids, self.block_size, spec.start, spec.stop,
+                        self._plans.setdefault(spec.req_id, {}))
 
     def _finish_loads(self) -> None:
         """After the forward pass: the tokens every layer got, and load errors for the rest."""
         if self._pipe is None:
             return
         pipe, self._pipe = self._pipe, None
+        self._plans = {}
         self.counts.add("rescaled_loads", pipe.rescaled)
         for spec, served in zip(self._piped, pipe.close()):
             self._loaded(spec, served)
@@ -369,10 +377,11 @@ class KVWireConnector(KVConnectorBase_V1):
             return
         i = self._index[layer_name]
         C = self.chunk_tokens
+        paged = self._paged[i] if kv_layer is self._layers[layer_name] else \
+            PagedLayer(kv_layer, self.arch.layers[i].head_dim_k, *self._packing[i])
         for spec in meta.saves:
             ids = slots(spec.block_ids, self.block_size, *spec.token_range(C))
-            self._gathered.setdefault(spec.req_id, {})[i] = gather_slots(
-                kv_layer, ids, self.arch.layers[i].head_dim_k, *self._packing[i])
+            self._gathered.setdefault(spec.req_id, {})[i] = paged.gather(ids)
 
     def wait_for_save(self):
         self._finish_loads()

@@ -52,6 +52,15 @@ def platform_fp8() -> str:
     return "f8_e4m3fnuz" if fnuz else "f8_e4m3fn"
 
 
+def compute_threads() -> int:
+    """The threads the engine computes with on the CPU (torch's intra-op threads, within the
+    cores this process may run on): the loader's threads when it loads before the forward pass."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores))
+
+
 def model_config_json(model_dir: str) -> dict:
     """The model's config.json as written (its canonical JSON is the config fingerprint)."""
     path = os.path.join(model_dir, "config.json")
@@ -146,7 +155,7 @@ def layer_scales_of(vllm_config, names: list, arch) -> tuple:
     return tuple(out)
 
 
-__all__ = ["backend_name", "cpu_isa", "engine_layout_of", "layer_packing", "layer_scales_of", "model_config_json",
+__all__ = ["backend_name", "compute_threads", "cpu_isa", "engine_layout_of", "layer_packing", "layer_scales_of", "model_config_json",
            "platform_fp8"]
 
 

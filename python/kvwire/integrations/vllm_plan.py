@@ -24,6 +24,7 @@ import numpy as np
 from ..cache.kvcache import KVCache
 from ..deprecation import former_names
 from ..format.header import Architecture, Header, ModelIdentity, TokenRange
+from ..layouts import SlotPlan, scatter_slots
 from ..model.identity import config_fingerprint, make_identity, weights_fingerprint
 from ..store.keys import KeySpace, codec_fidelity
 
@@ -183,6 +184,24 @@ def slots(block_ids, block_size: int, start: int, stop: int) -> np.ndarray:
     return blocks[t // block_size] * block_size + t % block_size
 
 
+def place_parts(layer, parts, block_ids, block_size: int, start: int, stop: int, plans: dict | None = None) -> int:
+    """Scatter tokens [start, stop) of one layer's ``parts`` (``LayerwiseLoad.parts``:
+    [(first token, {component: [heads, tokens, dim]})], or None) into the request's blocks
+    of ``layer`` (a ``kvwire.layouts.PagedLayer``), each part straight from its memory;
+    ``plans`` (kept by the caller for a load's layers) holds each part's ``SlotPlan``.
+    Returns the tokens placed."""
+    placed = 0
+    plans = {} if plans is None else plans
+    for a, arrays in parts or ():
+        lo, hi = max(a, start), min(a + next(iter(arrays.values())).shape[1], stop)
+        if hi > lo:
+            if (lo, hi) not in plans:  # the same slots in every layer
+                plans[lo, hi] = SlotPlan(slots(block_ids, block_size, lo, hi), block_size)
+            layer.scatter(plans[lo, hi], {c: x[:, lo - a:hi - a] for c, x in arrays.items()})
+            placed += hi - lo
+    return placed
+
+
 def chunk_cache(key: ModelKey, layers: list, first_token: int, count: int, engine_layout=None,
                 kv_scales=None) -> KVCache:
     """A KVCache of tokens [first_token, first_token + count) from gathered layers
@@ -240,6 +259,7 @@ def layer_scales(k_scale: float, v_scale: float, mla: bool) -> tuple[float, floa
 
 
 __all__ = ["CACHE_DTYPES", "FP8_TORCH", "LoadSpec", "ModelKey", "RequestState", "SaveSpec", "cache_dtype_of",
+           "place_parts",
            "chunk_cache", "chunks_to_save", "dtype_of", "files_digest", "layer_index", "layer_scales", "matched_tokens",
            "model_weights_fingerprint", "slots", "tail_to_save"]
 
@@ -268,7 +288,6 @@ def _gather_layer(kv_layer, slot_ids, head_dim: int, mla: bool, packing: str = "
 
 
 def _scatter_layer(kv_layer, slot_ids, arrays: dict, head_dim: int, mla: bool, packing: str = "channels") -> None:
-    from ..layouts import scatter_slots
 
     scatter_slots(kv_layer, slot_ids, arrays, head_dim, *_former_args(mla, packing))
 

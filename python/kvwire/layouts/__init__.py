@@ -56,6 +56,8 @@ from .vllm import bind_vllm, kv_cache_layout_name, vllm_cross_layer_view, vllm_l
 from .vllm_slots import (
     AMX_ROWS,
     SLOT_PACKINGS,
+    PagedLayer,
+    SlotPlan,
     check_slot_packing,
     cpu_amx_views,
     cpu_vec_views,
@@ -66,7 +68,7 @@ from .vllm_slots import (
 __all__ = [
     "AMX_ROWS", "AXES", "CPU_HEADER_LAYOUTS", "CPU_ISAS", "DEPRECATED", "KV_CACHE_LAYOUTS", "KV_PACKINGS", "LAYOUTS",
     "SLOT_PACKINGS", "VLLM_BACKENDS", "EngineBuffers", "LayerGeometry", "LayoutDescriptor", "LayoutMismatchError",
-    "OffloadRing", "RingFullError", "ScatterHandle", "architecture_of", "bind", "bind_vllm", "check_slot_packing",
+    "OffloadRing", "PagedLayer", "RingFullError", "ScatterHandle", "SlotPlan", "architecture_of", "bind", "bind_vllm", "check_slot_packing",
     "cpu_amx_views", "cpu_header_layout", "cpu_layout_name", "cpu_vec_views", "encode_from_engine", "gather",
     "gather_cache", "gather_slots", "get_layout", "header_for", "iter_buffers_from_engine", "iter_chunks",
     "kv_cache_layout_name", "layout_names", "needed_hints", "save_from_engine", "scatter", "scatter_slots",

@@ -22,6 +22,8 @@ so it is bit-exact for every dtype (fp8 caches are uint8 tensors, NaN payloads s
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..cache.cuda import int_view
@@ -29,8 +31,8 @@ from ..cache.tensors import as_numpy, as_uint
 from .backends import KV_PACKINGS, cpu_layout_name
 from .ids import id_runs
 
-__all__ = ["AMX_ROWS", "SLOT_PACKINGS", "check_slot_packing", "cpu_amx_views", "cpu_vec_views", "gather_slots",
-           "scatter_slots"]
+__all__ = ["AMX_ROWS", "SLOT_PACKINGS", "PagedLayer", "SlotPlan", "check_slot_packing", "cpu_amx_views",
+           "cpu_vec_views", "gather_slots", "scatter_slots"]
 
 AMX_ROWS = 16  # tokens (K) or channels (V) per row group of the amx kernels' tiles; pairs inside each
 SLOT_PACKINGS = ("channels", "latent", "tokens")  # the packings gather_slots / scatter_slots copy
@@ -137,102 +139,177 @@ def _plan(ids: np.ndarray, block_size: int, g: int) -> list:
 BLOCKS, GROUPS, PART = range(3)
 
 
+def _split(x, axis: int, shape: tuple):
+    """``x`` (numpy or torch) with dimension ``axis`` split into ``shape``, always a view:
+    numpy's reshape would copy silently where a view cannot be made, and a copy written to
+    is lost."""
+    if not isinstance(x, np.ndarray):
+        return x.unflatten(axis, shape)
+    known = int(np.prod([d for d in shape if d != -1]))
+    shape = tuple(x.shape[axis] // known if d == -1 else d for d in shape)  # -1 is ambiguous for 0 elements
+    out = x.view()
+    out.shape = x.shape[:axis] + shape + x.shape[axis + 1:]  # AttributeError rather than a copy
+    return out
+
+
+def _copy(dst, src) -> None:
+    """One strided copy: numpy's on the host (several times cheaper per call than torch's
+    for these small blocks, and it reads read-only memory), torch's on devices."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
 def _copies(view, g: int, c: int, std, plan: list, block_size: int):
-    """(engine part, standard part) pairs of ``plan`` for one component: ``view`` as
-    ``_token_views`` gives it, ``std`` its [H, tokens, D] standard array."""
-    vt = view.transpose(0, 1)  # [H, B, N, D] or [H, B, N/g, g, D/c, c]
-    st = std if g == 1 else std.unflatten(2, (-1, c))  # [H, T, D] or [H, T, D/c, c]
+    """(engine part, standard part) pairs of ``plan`` for one component (numpy arrays on the
+    host, torch tensors on devices): ``view`` as ``_token_views`` gives it, ``std`` its
+    [H, tokens, D] standard array."""
+    vt = view.swapaxes(0, 1)  # [H, B, N, D] or [H, B, N/g, g, D/c, c]
+    st = std if g == 1 else _split(std, 2, (-1, c))  # [H, T, D] or [H, T, D/c, c]
     per_block = (-1, block_size) if g == 1 else (-1, block_size // g, g)
     blocked: dict = {}  # r -> st's tokens [r, r + k*N) as [H, k, N, ...] (slicing it is cheaper)
     for step in plan:
         if step[0] == BLOCKS:
             _, b0, b1, r, q0, q1 = step
             if r not in blocked:
-                blocked[r] = st[:, r : r + (st.shape[1] - r) // block_size * block_size].unflatten(1, per_block)
+                blocked[r] = _split(st[:, r : r + (st.shape[1] - r) // block_size * block_size], 1, per_block)
             yield vt[:, b0:b1], blocked[r][:, q0:q1]
         elif step[0] == GROUPS:
             _, b, a, z, p0, p1 = step
-            yield vt[:, b, a:z], (st[:, p0:p1] if g == 1 else st[:, p0:p1].unflatten(1, (-1, g)))
+            yield vt[:, b, a:z], (st[:, p0:p1] if g == 1 else _split(st[:, p0:p1], 1, (-1, g)))
         else:
             _, b, grp, u0, u1, p0, p1 = step
             yield vt[:, b, grp, u0:u1], st[:, p0:p1]
 
 
-def _layout(kv_layer, slot_ids, head_dim: int, packing: str, cpu_isa, indexed):
-    form = check_slot_packing(packing, cpu_isa, str(kv_layer.dtype).removeprefix("torch."))
-    ids = np.asarray(slot_ids, dtype=np.int64).reshape(-1)
-    index = indexed if indexed is not None else kv_layer.device.type != "cpu"
-    return _token_views(kv_layer, form, head_dim), ids, index
+class SlotPlan:
+    """Slot ids and the strided copies that move them (``_plan``), worked out once per group
+    size and reused for every layer of a load: the ids of a request's blocks are the same in
+    every layer."""
+
+    def __init__(self, slot_ids: Any, block_size: int):
+        self.ids = np.asarray(slot_ids, dtype=np.int64).reshape(-1)
+        self.block_size = block_size
+        self._steps: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def steps(self, g: int) -> list:
+        if g not in self._steps:
+            self._steps[g] = _plan(self.ids, self.block_size, g)
+        return self._steps[g]
 
 
-def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", cpu_isa: str | None = None, *,
-                 indexed: bool | None = None) -> dict:
-    """{component: [heads, tokens, dim]} copies (``kv_layer``'s dtype and device) of the
-    slots ``slot_ids`` of one layer's ``[num_blocks, heads, block_size, C]`` view.
+class PagedLayer:
+    """One vLLM layer's ``[num_blocks, heads, block_size, C]`` view with its packing worked
+    out once (``check_slot_packing``, the components' views; numpy views on the CPU): what a
+    connector copies slots with, layer after layer, without redoing that per call.
 
     ``packing``: ``vllm_kv_packing`` of the layer's backend, one of ``SLOT_PACKINGS``
     ("latent": the component "latent", C whole; "channels" and "tokens": "k" and "v" of
     ``head_dim`` channels each); ``cpu_isa``: for "tokens", the CPU kernels' ISA (the
     attention layers' ``.isa``). ``indexed``: index kernels (default on devices) or
     strided copies per run of slots (default on the CPU, where they are faster)."""
-    import torch
 
-    views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
-    n, t = kv_layer.shape[2], len(ids)
-    out: dict = {}
-    plans: dict = {}  # g -> _plan
-    if index:
-        idx = torch.from_numpy(ids).to(kv_layer.device)
-        blocks, offs = idx // n, idx % n
-    for comp, (view, g, c) in views.items():
-        if index:
-            x = view[blocks, :, offs] if g == 1 else view[blocks, :, offs // g, offs % g].flatten(2)  # one kernel
-            out[comp] = x.permute(1, 0, 2).contiguous().view(kv_layer.dtype)
-            continue
-        dst = torch.empty((view.shape[1], t, view.shape[-2] * c if g > 1 else view.shape[3]), dtype=view.dtype,
-                          device=view.device)
-        if g not in plans:
-            plans[g] = _plan(ids, n, g)
-        for src, part in _copies(view, g, c, dst, plans[g], n):
-            part.copy_(src)
-        out[comp] = dst.view(kv_layer.dtype)
-    return out
+    def __init__(self, kv_layer: Any, head_dim: int, packing: str = "channels", cpu_isa: str | None = None, *,
+                 indexed: bool | None = None):
+        form = check_slot_packing(packing, cpu_isa, str(kv_layer.dtype).removeprefix("torch."))
+        self.kv_layer = kv_layer
+        self.block_size = kv_layer.shape[2]
+        self.host = kv_layer.device.type == "cpu"
+        self.index = indexed if indexed is not None else not self.host
+        self.views = _token_views(kv_layer, form, head_dim)  # {component: (torch view, g, c)}
+        self.host_views = {comp: v.numpy() for comp, (v, _, _) in self.views.items()} if self.host else None
+        self.want = next(iter(self.views.values()))[0].dtype  # the integer dtype of the views
+
+    def plan(self, slot_ids: Any) -> SlotPlan:
+        if isinstance(slot_ids, SlotPlan):
+            if slot_ids.block_size != self.block_size:
+                raise ValueError(f"a SlotPlan for blocks of {slot_ids.block_size} tokens, the layer's hold "
+                                 f"{self.block_size}")
+            return slot_ids
+        return SlotPlan(slot_ids, self.block_size)
+
+    def _index(self, plan: SlotPlan):
+        import torch
+
+        idx = torch.from_numpy(plan.ids).to(self.kv_layer.device)
+        return idx // self.block_size, idx % self.block_size
+
+    def gather(self, slot_ids: Any) -> dict:
+        """{component: [heads, tokens, dim]} copies (the layer's dtype and device) of the
+        slots ``slot_ids`` (an id array or a ``SlotPlan``)."""
+        import torch
+
+        plan, n, kv = self.plan(slot_ids), self.block_size, self.kv_layer
+        out: dict = {}
+        if self.index:
+            blocks, offs = self._index(plan)
+        for comp, (view, g, c) in self.views.items():
+            if self.index:
+                x = view[blocks, :, offs] if g == 1 else view[blocks, :, offs // g, offs % g].flatten(2)  # one kernel
+                out[comp] = x.permute(1, 0, 2).contiguous().view(kv.dtype)
+                continue
+            dst = torch.empty((view.shape[1], len(plan), view.shape[-2] * c if g > 1 else view.shape[3]),
+                              dtype=view.dtype, device=view.device)
+            eng, std = (self.host_views[comp], dst.numpy()) if self.host_views else (view, dst)
+            for src, part in _copies(eng, g, c, std, plan.steps(g), n):
+                _copy(part, src)
+            out[comp] = dst.view(kv.dtype)
+        return out
+
+    def _width(self, a):
+        if (a.itemsize if isinstance(a, np.ndarray) else a.element_size()) != self.kv_layer.element_size():
+            raise ValueError(f"{a.dtype} elements into a {self.kv_layer.dtype} cache: convert explicitly, never by "
+                             "reinterpreting bytes")
+        return a
+
+    def scatter(self, slot_ids: Any, arrays: dict) -> None:
+        """Write {component: [heads, tokens, dim]} ``arrays`` (torch tensors on any device, or
+        numpy arrays, read-only views included, of the layer's element width) into the slots
+        ``slot_ids`` (an id array or a ``SlotPlan``); on the CPU straight from their memory,
+        on devices one host-to-device copy per component."""
+        import torch
+
+        plan, n = self.plan(slot_ids), self.block_size
+        if self.index:
+            blocks, offs = self._index(plan)
+        for comp, (view, g, c) in self.views.items():
+            a = arrays[comp]
+            if self.host_views is not None and not self.index:  # numpy copies from the given memory
+                eng = self.host_views[comp]
+                src = (int_view(self._width(a).cpu()).numpy() if isinstance(a, torch.Tensor)
+                       else as_uint(as_numpy(self._width(a)))).view(eng.dtype)
+                for part, vals in _copies(eng, g, c, src, plan.steps(g), n):
+                    _copy(part, vals)
+                continue
+            if not isinstance(a, torch.Tensor):
+                a = as_uint(as_numpy(self._width(a)))
+                a = torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else np.array(a))
+            src = int_view(self._width(a)).view(self.want).to(self.kv_layer.device)
+            if self.index:
+                vals = src.permute(1, 0, 2)  # [tokens, H, D]
+                if g == 1:
+                    view[blocks, :, offs] = vals
+                else:
+                    view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
+                continue
+            for part, vals in _copies(view, g, c, src, plan.steps(g), n):
+                part.copy_(vals)
+
+
+def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", cpu_isa: str | None = None, *,
+                 indexed: bool | None = None) -> dict:
+    """{component: [heads, tokens, dim]} copies (``kv_layer``'s dtype and device) of the
+    slots ``slot_ids`` of one layer's ``[num_blocks, heads, block_size, C]`` view (the
+    arguments: see ``PagedLayer``, which a caller copying layer after layer keeps)."""
+    return PagedLayer(kv_layer, head_dim, packing, cpu_isa, indexed=indexed).gather(slot_ids)
 
 
 def scatter_slots(kv_layer, slot_ids, arrays: dict, head_dim: int, packing: str = "channels",
                   cpu_isa: str | None = None, *, indexed: bool | None = None) -> None:
-    """Write {component: [heads, tokens, dim]} ``arrays`` (torch tensors on any device, or
-    numpy arrays, of ``kv_layer``'s element width) into the slots ``slot_ids`` of one
-    layer's view (the arguments: see ``gather_slots``); one host-to-device copy per
-    component for host arrays and device buffers."""
-    import torch
-
-    views, ids, index = _layout(kv_layer, slot_ids, head_dim, packing, cpu_isa, indexed)
-    n, dev = kv_layer.shape[2], kv_layer.device
-    want = views[next(iter(views))][0].dtype
-    plans: dict = {}  # g -> _plan
-
-    def tensor(a):  # [H, tokens, dim] integer elements on the buffer's device
-        if not isinstance(a, torch.Tensor):
-            a = torch.from_numpy(np.ascontiguousarray(as_uint(as_numpy(a))))
-        if a.element_size() != kv_layer.element_size():
-            raise ValueError(f"{a.dtype} elements into a {kv_layer.dtype} cache: convert explicitly, never by "
-                             "reinterpreting bytes")
-        return int_view(a).view(want).to(dev)
-
-    if index:
-        idx = torch.from_numpy(ids).to(dev)
-        blocks, offs = idx // n, idx % n
-    for comp, (view, g, c) in views.items():
-        src = tensor(arrays[comp])
-        if index:
-            vals = src.permute(1, 0, 2)  # [tokens, H, D]
-            if g == 1:
-                view[blocks, :, offs] = vals
-            else:
-                view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
-            continue
-        if g not in plans:
-            plans[g] = _plan(ids, n, g)
-        for part, vals in _copies(view, g, c, src, plans[g], n):
-            part.copy_(vals)
+    """Write {component: [heads, tokens, dim]} ``arrays`` into the slots ``slot_ids`` of one
+    layer's view (see ``PagedLayer.scatter``)."""
+    PagedLayer(kv_layer, head_dim, packing, cpu_isa, indexed=indexed).scatter(slot_ids, arrays)

@@ -12,26 +12,31 @@ its objects at once, the header (one batched ranged get of ``HEAD_BYTES``, check
 step ``KVStore.get_cache`` opens objects with, ``objects.open_heads``: KVW-STORE-17) and the
 tail (one batched suffix get: the end frame, the index and the trailer, whose sizes
 ``format.container`` bounds). Each layer is then one batched ``get_ranges`` of
-that layer's frames from every object, decoded with checksums into the caller's arrays.
+that layer's frames from every object, checked where the store's reply lies and handed out
+as views of it (``parts``; ``decode`` copies them into the caller's arrays).
 
-The bytes of an object land in one buffer of the size its trailer states, and a
-``Reader`` over that buffer runs every reader check (index checksum, end frame, each frame
-against the index, body checksums) as over the whole object; the size is refused when it
-exceeds what the header's tensors can need, so a hostile trailer cannot make the loader
-allocate. An object that fails (evicted between two reads, corrupt, not the key's) is
-counted and deleted like any bad object, and ends the hits: ``served`` is the tokens that
-every layer decoded so far holds, the minimum over layers, and the caller recomputes the
-rest.
+Head and tail land in a buffer of the size the object's trailer states (only their pages
+are touched), and a ``Reader`` over it runs the checks of a whole object (index checksum,
+end frame); each layer's frames are then checked in the reply that holds them
+(``Reader.stored_at``: each frame against the index, body checksums), so no byte is copied
+between the store and the caller's buffers. The size is refused when it exceeds what the
+header's tensors can need, so a hostile trailer cannot make the loader allocate.
+
+An object that fails (evicted between two reads, corrupt, not the key's) is counted and
+deleted like any bad object, and ends the hits: ``served`` is the tokens that every layer
+decoded so far holds, the minimum over layers (layers may be read on several threads), and
+the caller recomputes the rest.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from ..cache.reader import Reader
-from ..cache.tensors import empty
+from ..cache.tensors import empty, view
 from ..format.container import FRAME_SIZE, TRAILER_SIZE, file_size, size_bound, tail_bound, trailer_fields
 from ..format.errors import ChecksumError, FormatError
 from .keys import KeySpace
@@ -64,6 +69,8 @@ class LayerwiseLoad:
         self.tokens = sum(r.header.token_count for r in self.readers)  # what the objects that opened hold
         self.served = self.tokens
         self._pending: dict[int, list] = {}
+        self._windows: dict[int, dict] = {}  # layer -> {object: (bytes read, their offset in the object)}
+        self._lock = threading.Lock()
         kv.counts.add(bytes_read=opened.bytes_read, hits=len(self.readers), misses=len(self.keys) - len(self.readers))
 
     # -- opening: headers checked, then every object's end frame, index and trailer --------
@@ -143,44 +150,84 @@ class LayerwiseLoad:
         return out
 
     def take(self, layer: int, replies) -> None:
-        """Place the replies of ``layer_requests(layer)`` in the objects' buffers."""
+        """Keep the replies of ``layer_requests(layer)`` as that layer's windows: each reply
+        is decoded where it lies (no copy into the object's buffer)."""
+        wins = self._windows.setdefault(layer, {})
         for (n, lo, hi), data in zip(self._pending.pop(layer, []), replies):
             if data is None or len(data) != hi - lo:
                 self._cut(n, None if data is None else "corrupt")  # evicted, or shorter than its index says
                 continue
-            self.buffers[n][lo:hi] = np.frombuffer(data, np.uint8)
+            wins[n] = (data, lo)
             self.kv.counts.add("bytes_read", hi - lo)
 
     def _cut(self, n: int, what) -> None:
         if what:
             self.kv.discard(self.keys[n], what)
-        self.served = min(self.served, self.starts[n])
+        with self._lock:  # layers may be read on several threads: no cut is lost
+            self.served = min(self.served, self.starts[n])
 
-    def decode(self, layer: int, out: dict | None = None) -> dict:
-        """Layer ``layer`` of the served tokens, checksums verified, into ``out``
-        ({component: array [heads, >= served, dim]}, e.g. staging arrays; allocated when
-        None); returns {component: the served tokens' view}. A failing object cuts
-        ``served``."""
+    def parts(self, layer: int) -> list:
+        """Layer ``layer`` of the served tokens as ``[(first token, {component: array [heads,
+        tokens, dim]})]``, one entry per object in token order, checksums and frames verified
+        (KVW-CSUM-1, KVW-FILE-4): a raw body is a read-only view of the bytes the store
+        returned, so the caller's copy into its own buffers is the only one. A failing object
+        cuts ``served`` and ends the list."""
         if self.header is None:
             raise ValueError("nothing to decode: no stored chunk of this request opened")
-        spec = self.header.arch.layers[layer]
-        if out is None:
-            out = {c: empty(spec.shape(c, self.served), self.header.dtype, "numpy") for c in spec.components}
+        wins = self._windows.pop(layer, {})
+        out: list = []
         for n, r in enumerate(self.readers):
             a = self.starts[n]
             if a >= self.served:
                 break
-            b = a + r.header.token_count
-            if self.tags[n] is not None and not self.kv.verify_bodies(self.keys[n], self.tags[n], r, self.buffers[n],
-                                                                       layer):
+            if isinstance(self.buffers[n], np.ndarray):  # read layer by layer: this layer's reply
+                window, base = wins.get(n, (None, 0))
+            else:  # read whole when opened
+                window, base = self.buffers[n], 0
+            if window is None:
+                continue  # the object has no frame in this layer
+            if self.tags[n] is not None and not self.kv.verify_bodies(self.keys[n], self.tags[n], r, window, layer,
+                                                                       base=base):
                 self._cut(n, None)  # a body is not the tagged one: counted, deleted (KVW-AUTH-6)
-                continue
+                break
             try:
-                r.layer(layer, verify=self.tags[n] is None, out={c: x[:, a:b, :] for c, x in out.items()})
+                out.append((a, self._arrays(r, layer, window, base, verify=self.tags[n] is None)))
             except ChecksumError:
                 self._cut(n, "checksum_failures")
+                break
             except FormatError:
                 self._cut(n, "corrupt")
+                break
+        return out
+
+    def _arrays(self, r: Reader, layer: int, window, base: int, verify: bool) -> dict:
+        """{component: [heads, tokens, dim]} of one object's ``layer`` from ``window``."""
+        got = {}
+        for i in np.flatnonzero(r.records["layer"] == layer).tolist():
+            c, stored = r.stored_at(i, window, base, verify)
+            if c.codec == "raw":
+                got[c.component] = view(stored, 0, r.header.dtype, c.shape, "numpy")
+            else:
+                got[c.component] = view(r.decode_stored(i, c, stored), 0, r.header.dtype, c.shape, "numpy")
+        return got
+
+    def decode(self, layer: int, out: dict | None = None) -> dict:
+        """Layer ``layer`` of the served tokens, checksums verified, copied into ``out``
+        ({component: array [heads, >= served, dim]}, e.g. staging arrays; allocated when
+        None); returns {component: the served tokens' view}. A failing object cuts
+        ``served``. (``parts`` gives the same without the copy.)"""
+        if self.header is None:
+            raise ValueError("nothing to decode: no stored chunk of this request opened")
+        spec = self.header.arch.layers[layer]
+        got = self.parts(layer)
+        if out is None:
+            out = {c: empty(spec.shape(c, self.served), self.header.dtype, "numpy") for c in spec.components}
+        for a, arrays in got:
+            if a >= self.served:
+                break
+            for c, x in arrays.items():
+                b = min(a + x.shape[1], self.served)
+                out[c][:, a:b, :] = x[:, : b - a, :]
         return {c: x[:, :self.served, :] for c, x in out.items()}
 
     def load_layer(self, layer: int, out: dict | None = None) -> dict:

@@ -106,12 +106,16 @@ class TagChecks:
             self.auth_failed(key, exc)
             return False
 
-    def verify_bodies(self, key, t: Tag, reader, buf, layer: int | None = None) -> bool:
+    def verify_bodies(self, key, t: Tag, reader, buf, layer: int | None = None, *, base: int = 0) -> bool:
         """Before they are decoded: the SHA-256 of each stored body (of ``layer``, or all)
-        is the tag's digest for its record."""
-        recs, view = reader.records, memoryview(buf)
+        is the tag's digest for its record; ``buf`` holds the object's bytes from offset
+        ``base`` on (a layer's frames read on their own: ``LayerwiseLoad``)."""
+        recs, view = reader.records, memoryview(buf).cast("B")
         which = range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer).tolist()
-        spans = [(int(recs["offset"][i]), int(recs["offset"][i]) + int(recs["stored_length"][i])) for i in which]
+        spans = [(int(recs["offset"][i]) - base, int(recs["offset"][i]) - base + int(recs["stored_length"][i]))
+                 for i in which]
+        if any(a < 0 or b > len(view) for a, b in spans):
+            raise ValueError(f"the bytes from offset {base} do not hold every body of layer {layer}")
         got = digests_of(spans, lambda a, b: hashlib.sha256(view[a:b]).digest())
         for i, d in zip(which, got):
             if not hmac.compare_digest(d, t.bodies[i]):
