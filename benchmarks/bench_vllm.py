@@ -193,6 +193,9 @@ class Bench:
             res = self.engine(f"r{rnd}-{key}", [self.warm] + self.flat)
             row["hit_first"] = self.split(res, 1)[0]
         elif kind == "same":
+            if key == "vllm-prefix":  # room for every prompt's KV: the second pass must find all of it cached
+                total = (len(self.warm) + sum(len(p) for p in self.flat)) * self.per_token
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(total * 1.2 / GIB) + 1)
             res = self.engine(f"r{rnd}-{key}", [self.warm] + self.flat * 2, conn, name, env,
                               prefix_caching=key == "vllm-prefix")
             row["miss"], row["hit_first"] = self.split(res, 2)
