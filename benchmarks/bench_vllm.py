@@ -18,9 +18,9 @@ effective GB/s stand beside a read-from-page-cache + memcpy of the same bytes me
 run; the first token of every request is compared with recompute's.
 
 Paths: recompute (no connector), vLLM's own prefix cache (the same engine answers each prompt
-twice: the second time it holds the KV already, so nothing is moved: the floor any connector's
-hit is measured against, and the reference for the first token of a hit: a connector's hit
-computes the same tail from the same KV, so its token must be the same), kvwire file store, kvwire Redis (a redis-server started here),
+twice: the second time it holds the KV already, so nothing is moved; it is the reference for
+the first token of a hit, since a connector's hit computes the same tail from the same KV, but
+not a strict floor: prefix caching costs its engine time of its own), kvwire file store, kvwire Redis (a redis-server started here),
 vLLM's ExampleConnector, and LMCache 0.5.6 (`make lmcache`) on that Redis and in its in-process
 CPU memory (the same engine stores, then hits) when LMCache imports in .venv-vllm; LMCache's
 release has no vLLM CPU path, so its engines get the gather/scatter of
@@ -54,7 +54,7 @@ DRIVER = REPO / "tests" / "vllm_driver.py"
 GIB = 1 << 30
 PATHS = {  # name: (label, kind); kinds: recompute, store (producer + consumer engines), same (one engine)
     "recompute": ("recompute (no connector)", "recompute"),
-    "vllm-prefix": ("vLLM's own prefix cache (same engine: zero copies, the floor of a hit)", "same"),
+    "vllm-prefix": ("vLLM's own prefix cache (same engine, nothing moved; prefix caching on)", "same"),
     "kvwire-file": ("kvwire, file store", "store"),
     "kvwire-redis": ("kvwire, Redis", "store"),
     "example": ("vLLM ExampleConnector (safetensors files)", "store"),

@@ -143,8 +143,10 @@ def report(res: dict, paths: dict) -> str:
                          f"{'-' if over is None else f'{over / warm:.1f}x'} | {cached:,.0f} | {moved / MIB:,.0f} | "
                          f"{_rate(moved, first)} | {_rate(moved, rep)} |")
     lines += ["", "Over the prefix-cache hit: a path's repeated-read hit TTFT minus vLLM's own prefix-cache hit "
-              "(same tokens cached, same tail computed, nothing moved): what the connector costs on the critical "
-              "path, beside the read + copy bound of its bytes.", "", "GB/s = bytes moved / the whole hit TTFT (lookup, load, the tail's prefill and the first token), "
+              "(same tokens cached, same tail computed, nothing moved), beside the read + copy bound of its bytes. "
+              "It is not the connector's own time: the prefix-cache engine runs with prefix caching on, which "
+              "costs time of its own per request (hashing every block), so a cheap connector can come out "
+              "below it.", "", "GB/s = bytes moved / the whole hit TTFT (lookup, load, the tail's prefill and the first token), "
               "a lower bound on the transfer rate. vs miss compares with the same engine's own prefill; "
               "where a connector's engine prefills faster than the recompute engine, it is the stricter "
               "speed-up. The miss column is the producer's requests: the connector's "
