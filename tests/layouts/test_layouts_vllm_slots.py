@@ -12,6 +12,8 @@ permutations and the runs of shuffled blocks a request has, starting anywhere in
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -166,7 +168,8 @@ def test_a_paged_layer_and_a_slot_plan_serve_every_layer_like_scatter_slots():
 
     gen = torch.Generator().manual_seed(5)
     ids = layouts.slots_from_blocks([6, 1, 3, 4], 32, 100)[7:]
-    for packing, isa in (("channels", None), ("tokens", "vec"), ("tokens", "amx")):
+    for (packing, isa), indexed in itertools.product((("channels", None), ("tokens", "vec"), ("tokens", "amx")),
+                                                     (None, True)):  # strided copies, or a device's index kernels
         bufs = [torch.randint(-2**15, 2**15 - 1, (8, 2, 32, 64), dtype=torch.int16, generator=gen).view(torch.bfloat16)
                 for _ in range(3)]
         want = [b.clone() for b in bufs]
@@ -176,10 +179,10 @@ def test_a_paged_layer_and_a_slot_plan_serve_every_layer_like_scatter_slots():
             blob = raw.numpy().tobytes()  # read-only, like a store's reply
             k, v = (np.frombuffer(blob, np.uint16, len(ids) * 64, x * len(ids) * 64 * 2).reshape(2, len(ids), 32)
                     for x in (0, 1))
-            layer = layouts.PagedLayer(buf, 32, packing, isa)
+            layer = layouts.PagedLayer(buf, 32, packing, isa, indexed=indexed)
             layer.scatter(plan, {"k": k, "v": v})
             layouts.scatter_slots(ref, ids, {"k": k, "v": v}, 32, packing, isa)
-            assert torch.equal(buf.view(torch.int16), ref.view(torch.int16)), (packing, isa)
+            assert torch.equal(buf.view(torch.int16), ref.view(torch.int16)), (packing, isa, indexed)
             got = layer.gather(plan)
             assert np.array_equal(got["k"].view(torch.int16).numpy().view(np.uint16), k)
             assert np.array_equal(got["v"].view(torch.int16).numpy().view(np.uint16), v)
