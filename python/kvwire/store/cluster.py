@@ -150,7 +150,7 @@ class RedisClusterStore(RedisStore):
         results = self.fan_out([(addr, [commands[i] for i in idx]) for addr, idx in jobs])
         for (_addr, idx), got in zip(jobs, results):
             if got is None:
-                self.count(unavailable=len(idx))
+                self.count(unavailable=len({keys[i] for i in idx}))  # keys, not commands (a range sends four)
                 continue
             self.count(round_trips=1)
             for i, r in zip(idx, got):
