@@ -304,7 +304,7 @@ class KVWireConnector(KVConnectorBase_V1):
                                               self.arch, self.block_size)
         on_cpu = next(iter(self._layers.values())).device.type == "cpu"
         # "auto": layer-wise on devices; on the CPU every layer before the forward pass, whose kernels use every
-        # core a loader thread would compete for (docs/vllm.md: measured 25-30% slower hits with the loader)
+        # core a loader thread would compete for (docs/vllm.md: 1K hits 15-20% slower with the loader)
         self._ahead = self.layerwise if self.layerwise != "auto" else not on_cpu
         threads = self.load_threads if self.load_threads != "auto" else 1 if self._ahead else compute_threads()
         self._loader = Loader(threads=threads)

@@ -151,8 +151,8 @@ def range_command(key: str, byte_range):
     """The command reading ``byte_range`` (KVW-STORE-3) of ``key``; None for the whole
     object. Length 0 reads nothing but must still tell a miss from a hit. A range is
     ``GETRANGE`` after ``EXISTS`` in one transaction (KVW-STORE-22: atomic, one round trip);
-    the former Lua script copied every value through a Lua string (0.6 GB/s against 2.9 for
-    this, 1 MiB ranges, redis 7.0.15)."""
+    the former Lua script copied every value through a Lua string (about 4x slower for 1 MiB
+    ranges in a one-off measurement; bench_store.py does not measure ranged reads yet)."""
     if byte_range is None:
         return ["GET", key]
     resolve_range(byte_range, 0)  # validates the form
