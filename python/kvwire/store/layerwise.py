@@ -238,7 +238,8 @@ class LayerwiseLoad:
 
 def fetch_layer(loads, layer: int) -> None:
     """Fetch ``layer``'s frames of every object of ``loads`` (LayerwiseLoads on one store)
-    in one batched ``get_ranges``: one round trip per layer for a whole engine step."""
+    in one batched ``get_ranges``: one round trip per layer (per 16 MiB of it on Redis) for
+    a whole engine step."""
     loads = [x for x in loads if x.readers]
     if not loads:
         return

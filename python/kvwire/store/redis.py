@@ -7,10 +7,12 @@ KVW-STORE-21..26):
 
 - ``put`` is ``SET key value NX``: Redis applies a command whole or not at all, so a
   reader never sees part of an object, and ``NX`` keeps the first writer's object;
-- a ranged ``get`` is ``GETRANGE`` inside a one-line Lua script that tells a missing key
-  from an empty range (plain ``GETRANGE`` answers "" to both);
-- every batch (``get_many``, ``put_many``, ``exists_many``, ``sizes``) is one pipelined
-  round trip, and the hit query ``leading`` is one script that stops at the first miss
+- a read is ``GETRANGE`` slices of at most 1 MiB after ``EXISTS`` (which tells a missing
+  key from an empty range) in one ``MULTI``/``EXEC`` transaction, a batch of reads round
+  trips of at most 16 MiB of replies (``redis_reads``: Redis answers large replies several
+  times slower);
+- every other batch (``put_many``, ``exists_many``, ``sizes``) is one pipelined round
+  trip, and the hit query ``leading`` is one script that stops at the first miss
   server-side and reads no object bytes.
 
 The client is redis-py (the optional extra ``kvwire[redis]``, imported here only), used at
@@ -28,8 +30,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .base import ByteRange, PutValue, Store, StoreError, as_buffers, check_key, check_keys, resolve_range
+from .base import ByteRange, PutValue, Store, StoreError, as_buffers, check_key, check_keys
 from .redis_conn import describe_failure, import_redis, tls_connection_class
+from .redis_reads import SLICE_BYTES, TRIP_BYTES, Read, answer, first_read, trips
 from .redis_url import RedisURL, TLSOptions, parse_host, parse_redis_url
 
 DEFAULT_TIMEOUT = 5.0
@@ -147,41 +150,6 @@ class Node:
         self.pool.disconnect()
 
 
-def range_command(key: str, byte_range):
-    """The command reading ``byte_range`` (KVW-STORE-3) of ``key``; None for the whole
-    object. Length 0 reads nothing but must still tell a miss from a hit. A range is
-    ``GETRANGE`` after ``EXISTS`` in one transaction (KVW-STORE-22: atomic, one round trip);
-    the former Lua script copied every value through a Lua string (about 4x slower for 1 MiB
-    ranges in a one-off measurement; bench_store.py does not measure ranged reads yet)."""
-    if byte_range is None:
-        return ["GET", key]
-    resolve_range(byte_range, 0)  # validates the form
-    off, length = byte_range
-    if off < 0:
-        start, stop = off, -1
-    elif length is None:
-        start, stop = off, -1
-    elif length == 0:
-        return ["EXISTS", key]
-    else:
-        start, stop = off, off + length - 1
-    return ["GETRANGE", key, start, stop]
-
-
-# The reply types of the read commands (a nil is None): anything else is not Redis's answer.
-REPLY: dict[str, type | tuple[type, ...]] = {"GET": (bytes, type(None)), "GETRANGE": list, "EXISTS": int}
-
-
-def range_reply(cmd, reply):
-    if cmd[0] == "EXISTS":
-        return b"" if reply else None
-    if cmd[0] == "GETRANGE":  # EXEC's [EXISTS, GETRANGE]: GETRANGE answers "" for a missing key too
-        if len(reply) != 2 or not isinstance(reply[0], int) or not isinstance(reply[1], bytes):
-            raise TypeError("not the replies of EXISTS and GETRANGE")
-        return reply[1] if reply[0] else None
-    return reply
-
-
 def check_timeout(timeout) -> float:
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, not {timeout!r}")
@@ -198,6 +166,9 @@ class RedisStore(Store):
     """A store on one Redis server (``redis://[user:password@]host:port/db``, or
     ``rediss://`` with ``tls``, a ``TLSOptions``). ``url`` is the redacted URL
     (KVW-STORE-39): what messages, logs and statistics print."""
+
+    slice_bytes = SLICE_BYTES  # the reads' shape (KVW-STORE-22, 23); an instance may set its own
+    trip_bytes = TRIP_BYTES
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float | None = None, username: str | None = None, password: str | None = None,
@@ -239,32 +210,47 @@ class RedisStore(Store):
         return self.get_ranges([(k, byte_range) for k in keys])
 
     def get_ranges(self, requests: Sequence[tuple[str, ByteRange]]) -> list:
+        """Each read a transaction of ``GETRANGE`` slices, the batch in round trips of at
+        most ``trip_bytes`` of replies; a read of unknown end a second trip when the object
+        is longer than one slice (``redis_reads``: why, and the figures)."""
         requests = list(requests)
         keys = check_keys(k for k, _ in requests)
-        if not keys:
-            return []
-        cmds = [range_command(k, r) for k, r in requests]
-        sent, owner = [], []  # a GETRANGE goes as MULTI, EXISTS, GETRANGE, EXEC: its reply is EXEC's
-        for i, (key, cmd) in enumerate(zip(keys, cmds)):
-            batch = [["MULTI"], ["EXISTS", key], cmd, ["EXEC"]] if cmd[0] == "GETRANGE" else [cmd]
-            sent += batch
-            owner += [i] * len(batch)
-        replies = self.run(sent, [keys[i] for i in owner])
-        last = {i: k for k, i in enumerate(owner)}  # each request's last command: its answer
-        out: list = []
-        for i, (key, cmd) in enumerate(zip(keys, cmds)):
-            reply = replies[last[i]]
-            if reply is MISSING:
-                out.append(None)
-                continue
-            try:
-                out.append(range_reply(cmd, self.raise_error(reply, key, REPLY[cmd[0]])))
-            except (TypeError, IndexError):
-                raise StoreError(f"{self.url}: the reply for {key!r} is not a transaction's: is this a Redis "
-                                 "server?") from None
+        out: list = [None] * len(keys)
+        pending = [first_read(i, k, r, self.slice_bytes) for i, (k, (_, r)) in enumerate(zip(keys, requests))]
+        while pending:
+            again = []
+            for group in trips(pending, self.trip_bytes):
+                sent = [c for read in group for c in read.cmds]
+                replies = self.run(sent, [read.key for read in group for _ in read.cmds])
+                end = 0
+                for read in group:
+                    end += len(read.cmds)
+                    value = self.transaction_answer(read, replies[end - len(read.cmds):end])
+                    if isinstance(value, Read):
+                        again.append(value)
+                    else:
+                        out[read.position] = value
+            pending = again
         got = [v for v in out if v is not None]
         self.count(gets=len(keys), hits=len(got), misses=len(keys) - len(got), bytes_in=sum(map(len, got)))
         return out
+
+    def transaction_answer(self, read: Read, replies: list) -> bytes | Read | None:
+        """``answer`` of ``read`` from the replies of its commands: None where a cluster
+        master did not answer (a miss, KVW-STORE-25); a Redis error reply (the transaction's
+        own or one command's in it) or a reply of the wrong shape is a ``StoreError``."""
+        if any(r is MISSING for r in replies):
+            return None
+        for r in replies:
+            self.raise_error(r, read.key)
+        reply = replies[-1]
+        for r in reply if isinstance(reply, list) else []:
+            self.raise_error(r, read.key)
+        try:
+            return answer(read, reply, self.slice_bytes)
+        except TypeError:
+            raise StoreError(f"{self.url}: the reply for {read.key!r} is not a transaction's: is this a Redis "
+                             "server?") from None
 
     def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
