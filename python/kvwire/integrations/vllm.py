@@ -39,18 +39,8 @@ tenant, adapter or image never gets this request's KV. A request the connector c
 (prompt embeddings, adapter files it cannot read) is neither looked up nor saved, counted
 as ``unbindable`` and logged once per reason.
 
-Extra config: ``store`` (a ``kvwire.store`` URL; default ``kvwire.store.default_store_url()``,
-a private per-user cache directory; ``memory://`` is refused: the scheduler and the workers
-are separate processes with their own memory, so it could never hit), ``chunk_tokens`` (256), ``codec`` ("raw"; "zstd", or a lossy preset such as
-"int8"), ``timeout`` (store call timeout, seconds), ``layerwise`` ("auto": layer by layer
-during the forward pass on devices, every layer in ``start_load_kv`` on the CPU; true or false
-forces one), ``load_threads`` ("auto": 1 layer-wise, else the engine's compute threads),
-``prefetch_layers`` (2: layers read ahead), ``save_partial``
-(true: the prompt's trailing partial chunk is stored and matched too, so an exact repeat of
-a prompt loads all but its last block, like vLLM's ExampleConnector; false: whole chunks
-only), ``model_fingerprint`` (hex; instead of
-hashing the model's safetensors), ``stats_path`` (files ``<stats_path>.scheduler.json`` and
-``<stats_path>.worker.json``, rewritten with each side's counters when they change).
+Options: ``kv_connector_extra_config``, checked by ``vllm_options.connector_options`` (the keys,
+and why unknown ones are refused); what each does: docs/vllm.md, "Configuration".
 """
 
 from __future__ import annotations
@@ -70,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..adapters.hf_model import arch_from_config
 from ..layouts import PagedLayer
 from ..model.compat import LocalModel, check_compatible
-from ..store import KVStore, StoreError, default_store_url, open_store
+from ..store import KVStore, StoreError, open_store
 from ..store.auth import Keyring
 from .vllm_engine import (
     compute_threads,
@@ -81,6 +71,7 @@ from .vllm_engine import (
     platform_fp8,
 )
 from .vllm_identity import reason_kind, request_identity
+from .vllm_options import connector_options
 from .vllm_pipeline import LayerPipeline, Loader
 from .vllm_plan import (
     FP8_TORCH,
@@ -118,36 +109,11 @@ class KVWireConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_tokens = int(extra.get("chunk_tokens", 256))
-        if self.chunk_tokens % self.block_size:
-            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of vLLM's block_size "
-                             f"{self.block_size}")
-        self.codec = extra.get("codec", "raw")
-        self.layerwise = extra.get("layerwise", "auto")
-        self.save_partial = extra.get("save_partial", True)
-        if not isinstance(self.save_partial, bool):
-            raise ValueError(f"save_partial must be true or false, not {self.save_partial!r}")
-        self.depth = extra.get("prefetch_layers", 2)
-        if self.layerwise not in (True, False, "auto") or isinstance(self.layerwise, int) and \
-                not isinstance(self.layerwise, bool):
-            raise ValueError(f"layerwise must be true, false or \"auto\", not {self.layerwise!r}")
-        threads = extra.get("load_threads", "auto")
-        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise ValueError(f"load_threads must be \"auto\" or an int >= 1, not {threads!r}")
-        self.load_threads = threads
-        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
-            raise ValueError(f"prefetch_layers (layers read ahead of the forward pass) must be an int >= 1, "
-                             f"not {self.depth!r}")
-        url = extra.get("store") or default_store_url()
-        if not isinstance(url, str) or url.split("://", 1)[0].lower() == "memory":
-            raise ValueError(f"store {url!r}: the kvwire connector needs a store its scheduler and workers share "
-                             "(file://DIR, redis://, redis-cluster://); memory:// lives in one process and vLLM's "
-                             "scheduler and workers are separate processes, so it could never hit")
-        options = {"timeout": float(extra["timeout"])} if "timeout" in extra and not url.startswith("file:") else {}
-        self.stats_path = extra.get("stats_path")
-        self.load_timeout = max(30.0, 4 * float(extra.get("timeout", 5.0)))
+        self.options = opts = connector_options(self._kv_transfer_config.kv_connector_extra_config, self.block_size)
+        self.chunk_tokens, self.codec, self.layerwise = opts.chunk_tokens, opts.codec, opts.layerwise
+        self.save_partial, self.depth, self.load_threads = opts.save_partial, opts.prefetch_layers, opts.load_threads
+        self.stats_path, self.load_timeout = opts.stats_path, opts.load_timeout
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         dtype = cache_dtype_of(mc.dtype, vllm_config.cache_config.cache_dtype, platform_fp8())
         self.fp8 = dtype in FP8_TORCH  # uint8 buffers of fp8 elements with per-layer scales (KVW-SCALE-*)
@@ -156,9 +122,9 @@ class KVWireConnector(KVConnectorBase_V1):
         self.key = ModelKey.of(self.arch, dtype, mc.model, chunk_tokens=self.chunk_tokens,
                                codec=self.codec, tp_rank=getattr(pc, "rank", 0) % max(1, pc.tensor_parallel_size),
                                tp_size=pc.tensor_parallel_size, config=model_config_json(mc.model),
-                               fingerprint=extra.get("model_fingerprint"))
+                               fingerprint=opts.model_fingerprint)
         self.local = LocalModel(self.arch, self.key.dtype, self.key.identity, chunk_tokens=self.chunk_tokens)
-        self.kv = KVStore(open_store(url, **options), auth=Keyring.load(extra.get("auth_key_file")))
+        self.kv = KVStore(open_store(opts.store, **opts.store_options), auth=Keyring.load(opts.auth_key_file))
         self.store_url = self.kv.store.url  # redacted (KVW-STORE-39): it goes to the log and the stats file
         self.counts = ConnectorCounts()
         # scheduler side
@@ -178,6 +144,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self._pipe: LayerPipeline | None = None
         self._loader: Loader | None = None  # the loader threads, started with the KV buffers
         self._ahead = True  # layer-wise (resolved from layerwise when the KV buffers are known)
+        self._on_cpu = False  # the KV buffers are in host memory (known with them)
         self._piped: list = []  # the LoadSpecs the pipeline is reading
         self._gathered: dict[str, dict[int, dict]] = {}
         self._load_errors: set[int] = set()
@@ -302,7 +269,7 @@ class KVWireConnector(KVConnectorBase_V1):
                        for name, spec, packing in zip(self._order, self.arch.layers, self._packing)]
         self.engine_layout = engine_layout_of(self._vllm_config, self._order, [kv_caches[n] for n in self._order],
                                               self.arch, self.block_size)
-        on_cpu = next(iter(self._layers.values())).device.type == "cpu"
+        self._on_cpu = on_cpu = next(iter(self._layers.values())).device.type == "cpu"
         # "auto": layer-wise on devices; on the CPU every layer before the forward pass, whose kernels use every
         # core a loader thread would compete for (docs/vllm.md: 1K hits 15-20% slower with the loader)
         self._ahead = self.layerwise if self.layerwise != "auto" else not on_cpu
@@ -321,8 +288,7 @@ class KVWireConnector(KVConnectorBase_V1):
         C = self.chunk_tokens
         self._piped = specs = list(meta.loads)
         loads = [(s.req_id, s.tokens, -(-s.stop // C), s.identity) for s in specs]
-        on_cpu = next(iter(self._layers.values())).device.type == "cpu"
-        place = (lambda i, got: self._place(i, specs, got)) if on_cpu or not self._ahead else None
+        place = (lambda i, got: self._place(i, specs, got)) if self._on_cpu or not self._ahead else None
         # layer-wise: a loader thread reads a layer or two ahead of the forward pass (places them itself on the
         # CPU); otherwise every layer is read and placed here, on the loader's threads, before the forward pass
         self._pipe = LayerPipeline(self.kv, self.key.space, loads, self.arch.num_layers, depth=self.depth,

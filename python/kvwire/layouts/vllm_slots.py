@@ -282,22 +282,20 @@ class PagedLayer:
                 eng = self.host_views[comp]
                 src = (int_view(self._width(a).cpu()).numpy() if isinstance(a, torch.Tensor)
                        else as_uint(as_numpy(self._width(a)))).view(eng.dtype)
-                for part, vals in _copies(eng, g, c, src, plan.steps(g), n):
-                    _copy(part, vals)
-                continue
-            if not isinstance(a, torch.Tensor):
-                a = as_uint(as_numpy(self._width(a)))
-                a = torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else np.array(a))
-            src = int_view(self._width(a)).view(self.want).to(self.kv_layer.device)
-            if self.index:
-                vals = src.permute(1, 0, 2)  # [tokens, H, D]
-                if g == 1:
-                    view[blocks, :, offs] = vals
-                else:
-                    view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
-                continue
-            for part, vals in _copies(view, g, c, src, plan.steps(g), n):
-                part.copy_(vals)
+            else:  # torch: one host-to-device copy, then index kernels or strided copies on the device
+                if not isinstance(a, torch.Tensor):
+                    a = as_uint(as_numpy(self._width(a)))
+                    a = torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else np.array(a))
+                eng, src = view, int_view(self._width(a)).view(self.want).to(self.kv_layer.device)
+                if self.index:
+                    vals = src.permute(1, 0, 2)  # [tokens, H, D]
+                    if g == 1:
+                        view[blocks, :, offs] = vals
+                    else:
+                        view[blocks, :, offs // g, offs % g] = vals.unflatten(2, (-1, c))
+                    continue
+            for part, vals in _copies(eng, g, c, src, plan.steps(g), n):
+                _copy(part, vals)
 
 
 def gather_slots(kv_layer, slot_ids, head_dim: int, packing: str = "channels", cpu_isa: str | None = None, *,

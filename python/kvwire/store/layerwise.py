@@ -63,6 +63,7 @@ class LayerwiseLoad:
         self.readers: list[Reader] = []
         self.buffers: list = []
         self.tags: list = []  # with auth: each opened object's verified tag (KVW-AUTH-6)
+        self.frames: list[dict] = []  # each object's frames_by_layer
         self._open(opened)
         self.header = self.readers[0].header if self.readers else None
         self.starts = [r.header.first_position for r in self.readers]
@@ -100,6 +101,7 @@ class LayerwiseLoad:
             self.readers.append(r)
             self.buffers.append(buf)
             self.tags.append(x.tag)
+            self.frames.append(frames_by_layer(r))
 
     def _assemble(self, x, tail, opened):
         """An object-sized buffer holding the first bytes of ``x`` (an ``objects.Head``) and
@@ -135,16 +137,14 @@ class LayerwiseLoad:
         was not read whole (what ``fetch_layer`` asks the store for)."""
         out = []
         self._pending[layer] = []
-        for n, r in enumerate(self.readers):
+        for n in range(len(self.readers)):
             if self.starts[n] >= self.served:
                 break
             if not isinstance(self.buffers[n], np.ndarray):
                 continue  # read whole at open
-            idx = np.flatnonzero(r.records["layer"] == layer)
-            if not len(idx):
+            if layer not in self.frames[n]:
                 continue
-            lo = int(r.records["offset"][idx].min()) - FRAME_SIZE
-            hi = int((r.records["offset"][idx] + r.records["stored_length"][idx]).max())
+            _, lo, hi = self.frames[n][layer]
             out.append((self.keys[n], (lo, hi - lo)))
             self._pending[layer].append((n, lo, hi))
         return out
@@ -191,7 +191,8 @@ class LayerwiseLoad:
                 self._cut(n, None)  # a body is not the tagged one: counted, deleted (KVW-AUTH-6)
                 break
             try:
-                out.append((a, self._arrays(r, layer, window, base, verify=self.tags[n] is None)))
+                records = self.frames[n][layer][0] if layer in self.frames[n] else []
+                out.append((a, self._arrays(r, records, window, base, verify=self.tags[n] is None)))
             except ChecksumError:
                 self._cut(n, "checksum_failures")
                 break
@@ -200,10 +201,11 @@ class LayerwiseLoad:
                 break
         return out
 
-    def _arrays(self, r: Reader, layer: int, window, base: int, verify: bool) -> dict:
-        """{component: [heads, tokens, dim]} of one object's ``layer`` from ``window``."""
+    def _arrays(self, r: Reader, records: list, window, base: int, verify: bool) -> dict:
+        """{component: [heads, tokens, dim]} of one object's layer (its index ``records``)
+        from ``window``."""
         got = {}
-        for i in np.flatnonzero(r.records["layer"] == layer).tolist():
+        for i in records:
             c, stored = r.stored_at(i, window, base, verify)
             if c.codec == "raw":
                 got[c.component] = view(stored, 0, r.header.dtype, c.shape, "numpy")
@@ -234,6 +236,18 @@ class LayerwiseLoad:
         """``fetch_layer([self], layer)`` then ``decode(layer, out)``."""
         fetch_layer([self], layer)
         return self.decode(layer, out)
+
+
+def frames_by_layer(r: Reader) -> dict:
+    """{layer: (index records, first frame's offset, end of the last body)} of one object:
+    grouped once when it opens, then each layer's request and decode look theirs up."""
+    rec = r.records
+    groups: dict[int, list] = {}
+    for i, layer in enumerate(rec["layer"].tolist()):
+        groups.setdefault(layer, []).append(i)
+    ends = rec["offset"] + rec["stored_length"]
+    return {layer: (idx, int(rec["offset"][idx].min()) - FRAME_SIZE, int(ends[idx].max()))
+            for layer, idx in groups.items()}
 
 
 def fetch_layer(loads, layer: int) -> None:
