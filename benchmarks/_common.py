@@ -10,6 +10,8 @@ were copied into eight scripts; one definition keeps their defaults and help the
 from __future__ import annotations
 
 import platform
+import statistics
+import time
 
 
 def cpu_model() -> str:
@@ -22,6 +24,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def timed(fn, repeat: int) -> tuple[float, float]:
+    """Median and min seconds of ``fn`` over ``repeat`` runs after one warm-up."""
+    fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out), min(out)
 
 
 def cache_shape_args(ap, *, layers: int = 32, tokens: int = 2048) -> None:

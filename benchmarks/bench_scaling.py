@@ -51,6 +51,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
 
 import kvwire
+from _common import timed
 from kvwire.format.container import PREAMBLE_SIZE, parse_preamble
 from kvwire.format.header import ModelIdentity
 from kvwire.store import KeySpace, KVStore, LocalStore
@@ -70,13 +71,7 @@ def make_cache(layers, heads, dim, tokens, chunk_tokens, first_position=0):
 
 def median_s(fn, repeat):
     """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return timed(fn, repeat)[0]
 
 
 def pairs(ref, cand, budget_s, max_pairs=5):

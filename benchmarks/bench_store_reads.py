@@ -25,11 +25,9 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +37,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from _common import cpu_model
+from _common import cpu_model, timed
 from kvwire.store import open_store
 from redisfix import RedisServer
 
@@ -47,17 +45,6 @@ MiB = 1 << 20
 CHUNKS, LAYERS, RANGE = 16, 16, MiB  # a 4K-token hit: 16 objects x 16 layers x 1 MiB = 256 MiB
 OLD_SCRIPT = "if redis.call('EXISTS', KEYS[1]) == 0 then return false end " \
              "return redis.call('GETRANGE', KEYS[1], ARGV[1], ARGV[2])"  # kvwire's ranged read before 2026-12
-
-
-def timed(fn, repeat):
-    """Median and min seconds of ``fn`` over ``repeat`` runs after one warm-up."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out), min(out)
 
 
 def layer_batches(keys, ranges_per_batch):
