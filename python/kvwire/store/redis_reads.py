@@ -1,10 +1,11 @@
 """How a batch of reads becomes Redis transactions and round trips (KVW-STORE-22, 23).
 
 Why this shape: Redis 7 answers one large value several times slower than the same bytes
-in replies of about 1 MiB (one 16 MiB ``GET`` 0.56-1.0 GB/s on loopback, 16 ``GETRANGE``
-of 1 MiB 2.3-2.6 GB/s: the server allocates, faults in and frees every large reply), and
-a round trip whose replies add up to much more than 16 MiB slows the same way (1 MiB ranges,
-16 MiB per trip 3.0 GB/s, 64 MiB 1.6, 128 MiB 0.85). So a read is cut into ``GETRANGE``
+in replies of about 1 MiB (benchmarks/results/store_reads.md, loopback: 16 MiB values by
+``MGET`` 0.71 GB/s, ``GETRANGE`` of 1 MiB 2.84 GB/s; the server allocates, faults in and
+frees every large reply), and a round trip whose replies add up to much more than 16 MiB
+slows the same way (1 MiB ranges: 16 MiB per trip 2.84 GB/s, 32 MiB 2.59, 64 MiB 1.11,
+256 MiB 0.77). So a read is cut into ``GETRANGE``
 slices of at most ``slice_bytes`` inside one ``MULTI``/``EXEC`` (one transaction: the
 slices are of one object, never of two), and a batch goes in round trips of at most
 ``trip_bytes`` of known reply bytes. A read whose end is not known (a whole object, an
