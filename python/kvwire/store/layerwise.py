@@ -186,12 +186,12 @@ class LayerwiseLoad:
                 window, base = self.buffers[n], 0
             if window is None:
                 continue  # the object has no frame in this layer
-            if self.tags[n] is not None and not self.kv.verify_bodies(self.keys[n], self.tags[n], r, window, layer,
+            records = self.frames[n][layer][0] if layer in self.frames[n] else []
+            if self.tags[n] is not None and not self.kv.verify_bodies(self.keys[n], self.tags[n], r, window, records,
                                                                        base=base):
                 self._cut(n, None)  # a body is not the tagged one: counted, deleted (KVW-AUTH-6)
                 break
             try:
-                records = self.frames[n][layer][0] if layer in self.frames[n] else []
                 out.append((a, self._arrays(r, records, window, base, verify=self.tags[n] is None)))
             except ChecksumError:
                 self._cut(n, "checksum_failures")

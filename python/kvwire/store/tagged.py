@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-import numpy as np
-
 from ..format.container import PREAMBLE_SIZE, parse_preamble, trailer_fields
 from .auth import MAX_TAG_BYTES, Keyring, Tag, TagError, digests_of, tag_key
 from .base import Store
@@ -106,16 +104,17 @@ class TagChecks:
             self.auth_failed(key, exc)
             return False
 
-    def verify_bodies(self, key, t: Tag, reader, buf, layer: int | None = None, *, base: int = 0) -> bool:
-        """Before they are decoded: the SHA-256 of each stored body (of ``layer``, or all)
-        is the tag's digest for its record; ``buf`` holds the object's bytes from offset
-        ``base`` on (a layer's frames read on their own: ``LayerwiseLoad``)."""
+    def verify_bodies(self, key, t: Tag, reader, buf, records=None, *, base: int = 0) -> bool:
+        """Before they are decoded: the SHA-256 of each stored body (of the index
+        ``records``, e.g. one layer's, or all) is the tag's digest for its record; ``buf``
+        holds the object's bytes from offset ``base`` on (a layer's frames read on their
+        own: ``LayerwiseLoad``)."""
         recs, view = reader.records, memoryview(buf).cast("B")
-        which = range(len(recs)) if layer is None else np.flatnonzero(recs["layer"] == layer).tolist()
+        which = range(len(recs)) if records is None else records
         spans = [(int(recs["offset"][i]) - base, int(recs["offset"][i]) - base + int(recs["stored_length"][i]))
                  for i in which]
         if any(a < 0 or b > len(view) for a, b in spans):
-            raise ValueError(f"the bytes from offset {base} do not hold every body of layer {layer}")
+            raise ValueError(f"the bytes from offset {base} do not hold every body asked for")
         got = digests_of(spans, lambda a, b: hashlib.sha256(view[a:b]).digest())
         for i, d in zip(which, got):
             if not hmac.compare_digest(d, t.bodies[i]):
