@@ -118,6 +118,7 @@ bench: $(STAMP) $(VLLM_STAMP) $(MINILM_STAMP) c
 	$(PY) benchmarks/bench_c.py --no-build
 	$(PY) benchmarks/bench_native.py
 	$(PY) benchmarks/bench_load.py
+	$(PY) benchmarks/bench_wheel.py  # the wheel as make wheel builds it, in a fresh venv outside the checkout
 	$(PY) benchmarks/bench_layouts_gather.py
 	$(PY) benchmarks/bench_vllm.py --lengths 1024 4096  # engines from .venv-vllm; all lengths to 16K: about 2 h
 
@@ -175,12 +176,16 @@ schemas: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info python/*.egg-info .pytest_cache .hypothesis
 
-# A wheel with the conformance kit inside (setup.py's build step copies conformance/vectors and
-# PROTOCOL.md into it), into dist/. build/lib is cleared first so no module of an earlier build slips
-# in. tests/package/test_wheel.py builds one from a copy of the tree and runs `kvwire conformance run` and
-# `kvwire demo` from a fresh venv holding only it (about a minute; part of make test and test-fast).
+# The wheel users install, into dist/: the conformance kit (setup.py's build step copies conformance/vectors
+# and PROTOCOL.md into it) and libkvwire (make -C c lib, beside kvwire/codecs/native.py; KVWIRE_BUILD_NATIVE=1:
+# no silent pure-Python fallback here). auditwheel then copies libzstd and libxxhash into it and tags it
+# manylinux, as Python's binary wheels do, so it installs on Linux machines without them. build/lib* is cleared
+# first so no module of an earlier build slips in. tests/package/test_wheel.py does the same from a copy of the
+# tree and runs the conformance kit, the README quickstart and a native/numpy equality run from a fresh venv
+# holding only it (part of make test and test-fast). Other platforms: docs/install.md (cibuildwheel).
 .PHONY: wheel
 wheel: $(STAMP)
-	rm -rf build/lib build/bdist.*
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	rm -rf build/lib build/lib.* build/bdist.* build/wheel-linux
+	KVWIRE_BUILD_NATIVE=1 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel-linux .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair -w dist build/wheel-linux/kvwire-*.whl
 	@ls dist/kvwire-*.whl

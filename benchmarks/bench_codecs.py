@@ -303,7 +303,8 @@ def main(argv=None) -> int:
     raw = sum(layer[c].nbytes for layer in cache.layers for c in ("k", "v"))
     load = os.getloadavg()
     rows = []
-    lib = None if a.no_native or not native.DEFAULT_PATH.exists() else native.DEFAULT_PATH
+    lib = None if a.no_native else native.default_path()
+    native.disable()  # the numpy columns measure the reference path, whatever the default is
     old = previous_quant(a.previous) if a.previous else None
     chunk_elems = a.heads * a.head_dim * cache.header.chunk_tokens
     t_pass = one_pass_s(chunk_elems)

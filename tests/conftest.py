@@ -42,10 +42,22 @@ ROOT = Path(__file__).resolve().parent.parent
 APT = "sudo apt-get install -y gcc make libzstd-dev libxxhash-dev"
 
 
+@pytest.fixture(autouse=True)
+def native_as_at_import():
+    """Every test starts with the codecs the process chose at import (libkvwire when built,
+    as for a user): a test that switches native on or off does not leak it into the next."""
+    from kvwire.codecs import native
+
+    before = native.library()
+    yield
+    if native.library() != before:
+        native.enable(before) if before else native.disable()
+
+
 @pytest.fixture(scope="module")
 def lib():
     """libkvwire built (make -C c lib) once per module, for the native-codec tests; a missing
-    toolchain fails with the install command. Native codecs are switched off afterwards."""
+    toolchain fails with the install command. Native codecs are back as they were afterwards."""
     from kvwire.codecs import native
 
     if shutil.which("make") is None or shutil.which(os.environ.get("CC", "gcc")) is None:
@@ -56,8 +68,9 @@ def lib():
         pytest.fail(f"make -C c lib failed (toolchain or headers missing? {APT}):\n{r.stderr[-2000:]}")
     path = ROOT / "build" / "c" / "libkvwire.so"
     assert path.exists()
+    before = native.library()
     yield path
-    native.disable()
+    native.enable(before) if before else native.disable()
 
 
 @pytest.fixture(scope="session")

@@ -14,17 +14,18 @@ def as_bytes(got) -> bytes:
 
 def both(fn, lib, result=as_bytes):
     """(numpy outcome, native outcome) of ``fn()``: ("ok", ``result(value)``) or, for the
-    FormatError it raised, ("err", code, class name, rule). Native is off again after."""
+    FormatError it raised, ("err", code, class name, rule). Native is back as it was after."""
     def run():
         try:
             return ("ok", result(fn()))
         except FormatError as e:
             return ("err", e.code, type(e).__name__, e.rule)
+    before = native.library()
     native.disable()
-    a = run()
-    native.enable(lib)
     try:
+        a = run()
+        native.enable(lib)
         b = run()
     finally:
-        native.disable()
+        native.enable(before) if before else native.disable()
     return a, b

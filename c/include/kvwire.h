@@ -612,7 +612,8 @@ kvw_code kvw_writer_add_head(kvw_writer *w, uint32_t layer, int component, int h
  * decodes one stored body (stored_len == the record's stored_length, out_len >= its
  * raw_length; KVW_ERR_INVALID_ARGUMENT otherwise) as kvw_decode_body does, without the
  * checksum. The header is only read: calls over one header may run on many threads.
- * kvw_error_size is sizeof(kvw_error), for callers that mirror the struct. */
+ * kvw_error_size is sizeof(kvw_error), for callers that mirror the struct; kvw_version is
+ * KVW_VERSION_STRING as the library was built (a loader compares it with its own). */
 kvw_code kvw_header_new(const uint8_t *fb, size_t len, kvw_header **out, kvw_error *err);
 void kvw_header_delete(kvw_header *h);
 /* Reusable decoding scratch (a zstd context and a body buffer) for kvw_decode_wire: one per
@@ -623,7 +624,15 @@ void kvw_decode_ctx_free(kvw_decode_ctx *ctx);
 kvw_code kvw_decode_wire(kvw_decode_ctx *ctx, const kvw_header *h,
                          const uint8_t record[KVW_RECORD_SIZE], const uint8_t *stored,
                          size_t stored_len, void *out, size_t out_len, kvw_error *err);
+/* kvw_decode_wire with the output's heads head_stride bytes apart (>= the record's
+ * raw_length / head_count; out_len >= (heads - 1) * head_stride + that): a chunk decoded
+ * straight into its token slice of a [heads, layer tokens, dim] tensor. ctx is required. */
+kvw_code kvw_decode_wire_heads(kvw_decode_ctx *ctx, const kvw_header *h,
+                               const uint8_t record[KVW_RECORD_SIZE], const uint8_t *stored,
+                               size_t stored_len, void *out, size_t out_len, size_t head_stride,
+                               kvw_error *err);
 size_t kvw_error_size(void);
+const char *kvw_version(void);
 /* ==== end FFI ==== */
 
 /* ==== FFI copy additions ==== */

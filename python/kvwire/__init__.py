@@ -31,8 +31,9 @@ Three things are called a layout, always with their qualifier: the *container la
 ``EngineLayout``, spec/layouts.md; buffers that disagree: ``LayoutMismatchError``).
 
 The package uses relative imports only and keeps no global state (beyond a per-process
-note of file systems that refuse to link unnamed temporary files), so it can be vendored
-under another name.
+note of file systems that refuse to link unnamed temporary files, and libkvwire's handle with
+its parsed copies of live headers and its decoding threads: ``kvwire.codecs.native``), so it
+can be vendored under another name.
 """
 
 from . import layouts, stream

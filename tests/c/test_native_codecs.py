@@ -41,6 +41,25 @@ def both(fn):
     return dualpath.both(fn, LIB)
 
 
+def heads_apart(h, codec, si, stored, raw, shape, t0, expected, pad=24):
+    """native.decode_heads into a buffer whose heads are ``pad`` guard bytes apart (a chunk's
+    token slice of a layer tensor): the same outcome as the contiguous decode (``expected``,
+    as dualpath reports it), every head in its place, no guard byte written."""
+    heads, run = shape[0], raw // shape[0]
+    stride = run + pad
+    buf = np.full(heads * stride, 0xAB, np.uint8)
+    rec = native.record(h, codec, si, len(stored), raw, shape, 0, t0)
+    native.enable(LIB)
+    try:
+        assert native.decode_heads(h, rec, stored, buf.ctypes.data, (heads - 1) * stride + run, stride)
+        got = ("ok", b"".join(buf[i * stride : i * stride + run].tobytes() for i in range(heads)))
+    except kvwire.FormatError as e:
+        got = ("err", e.code, type(e).__name__, e.rule)
+    assert got == expected
+    if got[0] == "ok":
+        assert all((buf[i * stride + run : (i + 1) * stride] == 0xAB).all() for i in range(heads))
+
+
 def header(dtype, heads, dim_k, dim_v, tokens, specs=()):
     arch = Architecture((LayerSpec("full_attention", heads, dim_k, dim_v),))
     return Header(arch, token_count=tokens, dtype=dtype, chunk_tokens=256, codec_specs=tuple(specs),
@@ -105,6 +124,7 @@ def test_lossy_identical(lib, spec, lossless, dtype, heads, dim, tokens, sink, r
     out = np.zeros(shape, {2: "<u2", 4: "<u4"}[R.DTYPES[dtype][1]])  # decoded in place, both ways
     a2, b2 = both(lambda: decode_chunk(h, spec.codec, 1, stored, raw, shape, 0, t0, out=out))
     assert a2 == b2 == a
+    heads_apart(h, spec.codec, 1, stored, raw, shape, t0, a)
 
 
 @FAST
@@ -128,6 +148,23 @@ def test_lossless_identical(lib, dtype, heads, dim, tokens, special, codec, seed
     buf = bytearray(len(raw))
     a2, b2 = both(lambda: decode_chunk(h, codec, si, stored, len(raw), shape, 0, 0, out=buf))
     assert a2 == b2 == a
+    heads_apart(h, codec, si, stored, len(raw), shape, 0, a)
+
+
+def test_decode_heads_refuses_a_stride_or_span_too_small(lib):
+    """kvw_decode_wire_heads checks the caller's geometry before writing anything."""
+    h = header("bf16", 2, 8, 8, 4)
+    raw = np.arange(2 * 4 * 8, dtype="<u2").tobytes()
+    stored = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    rec = native.record(h, "zstd", 0, len(stored), len(raw), (2, 4, 8), 0, 0)
+    buf = np.zeros(1024, np.uint8)
+    native.enable(LIB)
+    for stride, span in ((63, 200), (80, 80 + 63)):  # a head is 64 bytes
+        with pytest.raises(ValueError, match="kvw_decode_wire_heads"):
+            native.decode_heads(h, rec, stored, buf.ctypes.data, span, stride)
+    assert not buf.any()
+    assert native.decode_heads(h, rec, stored, buf.ctypes.data, 80 + 64, 80)
+    assert buf[:64].tobytes() == raw[:64] and buf[80:144].tobytes() == raw[64:] and not buf[64:80].any()
 
 
 def _digest(path) -> str:
@@ -156,8 +193,9 @@ def test_conformance_vectors_same_sha256(lib, monkeypatch):
     native.disable()
     ref = [_digest(p) for p in VECTORS]
     calls = []
-    real = native.decode_wire
-    monkeypatch.setattr(native, "decode_wire", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("decode_wire", "decode_heads"):  # a chunk in place, or its heads into a layer's token slice
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     native.enable(LIB)
     try:
         got = [_digest(p) for p in VECTORS]
@@ -213,23 +251,71 @@ def test_corrupted_bodies_same_code(lib):
     assert {"DECODE_FAILED", "DECODED_SIZE_MISMATCH"} <= seen
 
 
-def test_off_unless_asked():
+def _in_child(code: str, *args, env_native: str | None = None):
+    """``code`` in a fresh interpreter on the checkout's package, KVWIRE_NATIVE set to
+    ``env_native`` (None: unset); returns the finished process."""
     env = {k: v for k, v in os.environ.items() if k != "KVWIRE_NATIVE"}
     env["PYTHONPATH"] = str(ROOT / "python")
-    code = ("import sys, kvwire; from kvwire.codecs import native; kvwire.load(sys.argv[1]); "
-            "maps = open('/proc/self/maps').read(); "
-            "print(native.available(), 'libkvwire' in maps)")
-    r = subprocess.run([sys.executable, "-c", code, VECTORS[0]], env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "False"]
+    if env_native is not None:
+        env["KVWIRE_NATIVE"] = env_native
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
 
 
-def test_env_enables(lib):
-    env = dict(os.environ, KVWIRE_NATIVE=str(LIB), PYTHONPATH=str(ROOT / "python"))
-    code = "from kvwire.codecs import native; print(native.available())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True"]
+LOADED = ("import sys, kvwire; from kvwire.codecs import native; kvwire.load(sys.argv[1]); "
+          "maps = open('/proc/self/maps').read(); print(native.available(), 'libkvwire' in maps); "
+          "print(native.status())")
+
+
+def test_on_by_default_and_off_with_zero(lib):
+    """Issue 35 item 2: libkvwire decodes unless KVWIRE_NATIVE=0 (then it is not even mapped)."""
+    r = _in_child(LOADED, VECTORS[0])
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    assert r.stdout.splitlines()[0].split() == ["True", "True"]
+    assert r.stdout.splitlines()[1] == f"native (libkvwire {kvwire.__version__}, {LIB}); KVWIRE_NATIVE=0 for numpy"
+    for on in ("1", str(LIB)):
+        assert _in_child(LOADED, VECTORS[0], env_native=on).stdout.split()[:2] == ["True", "True"]
+    r = _in_child(LOADED, VECTORS[0], env_native="0")
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    assert r.stdout.splitlines() == ["False False", "numpy (KVWIRE_NATIVE=0)"]
+
+
+def _library(tmp_path, name: str, source: str) -> Path:
+    """A shared library compiled from ``source`` (the C toolchain the lib fixture checked)."""
+    c, so = tmp_path / f"{name}.c", tmp_path / f"{name}.so"
+    c.write_text(source)
+    subprocess.run([os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-o", str(so), str(c)], check=True, timeout=120)
+    return so
+
+
+def test_a_library_that_cannot_be_used_is_one_warning_and_numpy(lib, tmp_path):
+    """Issue 35 item 2: a missing file, a file that is not a library, another version's
+    libkvwire and one without this version's functions: each is one RuntimeWarning naming
+    the path and the reason, the numpy path decodes, nothing raises; `kvwire --version`
+    says why numpy is active."""
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"\x7fELF not really" * 64)
+    other = _library(tmp_path, "other", 'const char *kvw_version(void) { return "0.0.1"; }\n')
+    partial = _library(tmp_path, "partial", f'const char *kvw_version(void) {{ return "{kvwire.__version__}"; }}\n')
+    cases = {tmp_path / "absent.so": "not found", junk: "", other: f"libkvwire 0.0.1, this package is kvwire "
+             f"{kvwire.__version__}", partial: "not this version's libkvwire"}
+    for path, why in cases.items():
+        r = _in_child(LOADED, VECTORS[0], env_native=str(path))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.count("RuntimeWarning") == 1 and str(path) in r.stderr and why in r.stderr, r.stderr
+        first, status = r.stdout.splitlines()
+        assert first == "False False" and status.startswith(f"numpy (libkvwire failed to load: {path}"), r.stdout
+        v = _in_child("from kvwire.tools.cli import main; main(['--version'])", env_native=str(path))
+        assert v.returncode == 0 and "Traceback" not in v.stderr, v.stderr
+        assert f"codecs: numpy (libkvwire failed to load: {path}" in v.stdout, v.stdout
+
+
+def test_enable_refuses_what_import_would_warn_about(lib, tmp_path):
+    """native.enable() is an explicit request: it raises OSError (native stays as it was)."""
+    before = native.library()
+    with pytest.raises(OSError, match="not found"):
+        native.enable(tmp_path / "absent.so")
+    assert native.library() == before
 
 
 def test_decode_chunks_two_threads_equal_one(lib):

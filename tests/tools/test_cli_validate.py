@@ -154,6 +154,9 @@ def test_plan_text_states_its_assumptions_and_prints_no_nan():
 
 
 def test_plan_codec_names_read_benchmark_figures(tmp_path):
+    from kvwire.codecs import native
+
+    native.disable()  # the numpy column (with libkvwire on: the test below)
     bench = tmp_path / "codecs.json"
     bench.write_text(json.dumps({"codecs": [{"codec": "int8", "ratio": 2.0, "load_gbs": 3.5, "max_abs_err": 0.1},
                                             {"codec": "raw", "ratio": 1.0, "load_gbs": 9.0, "max_abs_err": 0}]}))
@@ -199,6 +202,9 @@ def test_plan_reads_the_native_column_when_native_decoding_is_on(tmp_path, lib):
 
 
 def test_plan_measures_codecs_when_asked_or_without_figures(tmp_path):
+    from kvwire.codecs import native
+
+    native.disable()  # measured through numpy here; through libkvwire, the source says so (test above)
     status, out = _plan("--json", "--prefill-tokens-per-s", PPS, "--codec", "int8", "--measure", "--model",
                         "4:2:64:8:1e8", "--context", "2048")
     assert status == 0

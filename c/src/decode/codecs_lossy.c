@@ -8,11 +8,23 @@
  */
 #include "common/fp_exact.h" /* first: no FMA contraction, fp32 evaluation (KVW-LOSSY-3) */
 
+#include "common/cpu.h"
 #include "decode/decode.h"
 
 #include <stdlib.h>
 
 #define BLK 512 /* elements converted per block (stack buffers) */
+
+/* The decoders' loops compiled twice, for any x86-64 and for AVX2, the copy picked once at
+ * load by the CPU (GCC/clang target_clones: an ifunc); the values are the same bit for bit
+ * (no contraction, fp_exact.h; the AVX2 copy only has wider vectors). */
+#if KVW_BUILD_AVX2_CLONES
+#define KVW_CLONES __attribute__((target_clones("avx2", "default")))
+#define KVW_INLINED static inline __attribute__((always_inline)) /* into each copy, at its width */
+#else
+#define KVW_CLONES
+#define KVW_INLINED static
+#endif
 
 static int f32_finite(float f) { return (kvwc_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
@@ -43,7 +55,7 @@ static void fp8_table(unsigned fmt, float tab[256]) {
 /* The first n of BLK fp32 results -> header dtype bytes at dst (KVW-LOSSY-4). The loops
  * run over the whole block (constant trip count, so that compilers vectorize them at -O2);
  * only n results are stored. */
-static void store_blk(uint8_t *dst, const float *x, size_t n, unsigned dtype) {
+KVW_INLINED void store_blk(uint8_t *dst, const float *x, size_t n, unsigned dtype) {
     if (dtype == KVW_DTYPE_F32) {
         uint32_t t[BLK];
         for (size_t i = 0; i < BLK; i++) t[i] = kvwc_to_f32(x[i]);
@@ -72,7 +84,7 @@ static uint32_t to_dtype_bits(float x, unsigned dtype) {
 }
 
 /* Codes through a 256-entry table of results (one scale for the whole run). */
-static void lut_run(uint8_t *dst, const uint8_t *codes, size_t n, const uint32_t lut[256],
+KVW_INLINED void lut_run(uint8_t *dst, const uint8_t *codes, size_t n, const uint32_t lut[256],
                     unsigned w) {
     if (w == 2) {
         uint16_t l16[256], t[BLK];
@@ -91,7 +103,7 @@ static void lut_run(uint8_t *dst, const uint8_t *codes, size_t n, const uint32_t
     }
 }
 
-static kvw_code fp8_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+KVW_CLONES static kvw_code fp8_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                            const uint8_t *params, const uint8_t *codes, uint8_t *out,
                            kvw_error *err) {
     for (uint64_t k = 0; k < g->nparams; k++) { /* KVW-FP8-3 */
@@ -103,13 +115,13 @@ static kvw_code fp8_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     }
     float tab[256];
     fp8_table(s->fp8_format, tab);
-    uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w, n = M * D;
+    uint64_t H = g->H, D = g->D, M = g->M, w = g->w, n = M * D;
     uint32_t lut[256];
     float x[BLK];
     memset(x, 0, sizeof x);
     for (uint64_t hh = 0; hh < H; hh++) {
         /* The quantized rows of one head are contiguous in the output and in the codes. */
-        uint8_t *dst = out + (hh * T + g->P) * D * w;
+        uint8_t *dst = out + hh * g->ohs + g->P * D * w;
         const uint8_t *cr = codes + hh * n;
         if (s->scale_granularity != KVW_SCALE_TOKEN || D >= 256) {
             for (uint64_t m = 0; m < (s->scale_granularity == KVW_SCALE_TOKEN ? M : 1); m++) {
@@ -140,7 +152,7 @@ static kvw_code fp8_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     return KVW_OK;
 }
 
-static float load_param(const uint8_t *p, unsigned dtype) {
+KVW_INLINED float load_param(const uint8_t *p, unsigned dtype) {
     return dtype == KVW_DTYPE_F32 ? kvw_ldf32(p)
          : dtype == KVW_DTYPE_F16 ? kvwc_from_f16(kvw_ld16(p)) : kvwc_from_bf16(kvw_ld16(p));
 }
@@ -157,7 +169,7 @@ static inline float load_param_nb(const uint8_t *p, unsigned dtype) {
 
 /* n b-bit codes from element index i0 on (KVW-INT-4: least significant bits first); ut[v]
  * holds the codes of byte value v. */
-static void unpack(const uint8_t *codes, uint64_t i0, size_t n, unsigned b,
+KVW_INLINED void unpack(const uint8_t *codes, uint64_t i0, size_t n, unsigned b,
                    const uint8_t (*ut)[4], uint8_t *u) {
     if (b == 8) {
         memcpy(u, codes + i0, n);
@@ -179,7 +191,7 @@ static void unpack(const uint8_t *codes, uint64_t i0, size_t n, unsigned b,
     for (unsigned j = 0; k < n; k++, j++) u[k] = (uint8_t)((*p >> (j * b)) & mask);
 }
 
-kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint8_t *params,
+KVW_CLONES static kvw_code int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint8_t *params,
                          const uint8_t *codes, float **out, kvw_error *err) {
     uint64_t np = g->nparams;
     unsigned ps = g->psize, b = g->bits;
@@ -232,15 +244,22 @@ kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint
     return KVW_OK;
 }
 
-static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
+/* Extern callers (codecs_rot.c, codecs_tq.c) reach the clones through a plain function:
+ * clang resolves target_clones of static functions only. */
+kvw_code kvwc_int_params(const kvw_codec_spec *s, const kvwc_geom *g, const uint8_t *params,
+                         const uint8_t *codes, float **out, kvw_error *err) {
+    return int_params(s, g, params, codes, out, err);
+}
+
+KVW_CLONES static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                            const uint8_t *params, const uint8_t *codes, uint8_t *out,
                            kvw_error *err) {
     unsigned b = g->bits;
     float *sc;
-    kvw_code rc = kvwc_int_params(s, g, params, codes, &sc, err);
+    kvw_code rc = int_params(s, g, params, codes, &sc, err);
     if (rc) return rc;
     float *zr = g->zeros ? sc + g->nparams : NULL;
-    uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w, G = s->group_size, n = M * D;
+    uint64_t H = g->H, D = g->D, M = g->M, w = g->w, G = s->group_size, n = M * D;
     int tokens_axis = s->group_axis == KVW_GROUP_TOKENS;
     float half = (float)(1u << (b - 1));
     uint8_t u[BLK], ut[256][4];
@@ -252,7 +271,7 @@ static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const k
     memset(zx, 0, sizeof zx);
     for (uint64_t hh = 0; hh < H; hh++) {
         /* One head's quantized rows: n elements, contiguous in the codes and the output. */
-        uint8_t *dst = out + (hh * T + g->P) * D * w;
+        uint8_t *dst = out + hh * g->ohs + g->P * D * w;
         /* Walk the scales with counters: tokens axis group (h, m / G, d), channels axis group
          * (h, m, d / G). */
         const float *srow = sc + (tokens_axis ? hh * g->gm * D : hh * M * g->gd);
@@ -321,11 +340,11 @@ static kvw_code int_decode(const kvw_header *h, const kvw_codec_spec *s, const k
 
 kvw_code kvwc_lossy_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc_geom *g,
                            const uint8_t *body, uint8_t *out, kvw_error *err) {
-    uint64_t rowb = g->D * g->w, T = g->T, P = g->P, Q = g->Q, M = g->M;
+    uint64_t rowb = g->D * g->w, P = g->P, Q = g->Q, M = g->M;
     const uint8_t *resid = body + g->H * P * rowb;
     for (uint64_t hh = 0; hh < g->H; hh++) { /* kept tokens, bit for bit (KVW-LOSSY-4) */
-        if (P) memcpy(out + hh * T * rowb, body + hh * P * rowb, (size_t)(P * rowb));
-        if (Q) memcpy(out + (hh * T + P + M) * rowb, resid + hh * Q * rowb, (size_t)(Q * rowb));
+        if (P) memcpy(out + hh * g->ohs, body + hh * P * rowb, (size_t)(P * rowb));
+        if (Q) memcpy(out + hh * g->ohs + (P + M) * rowb, resid + hh * Q * rowb, (size_t)(Q * rowb));
     }
     if (!M || !g->D) return KVW_OK;
     const uint8_t *params = body + g->fp_bytes, *codes = params + g->param_bytes;

@@ -134,7 +134,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
     float *sc;
     kvw_code rc = kvwc_int_params(s, g, params, codes, &sc, err);
     if (rc) return rc;
-    uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w, G = s->group_size;
+    uint64_t H = g->H, D = g->D, M = g->M, w = g->w, G = s->group_size;
     unsigned b = g->bits;
     int rot = s->rotation != KVW_ROTATION_NONE, tokens_axis = s->group_axis == KVW_GROUP_TOKENS;
     const float *zr = g->zeros ? sc + g->nparams : NULL;
@@ -181,7 +181,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
             if (fused) {
                 uint64_t k = tokens_axis ? (hh * g->gm + m / G) * D : (hh * M + m) * g->gd;
                 const uint8_t *cr = codes + (hh * M + m) * D * b / 8;
-                uint8_t *dst = out + ((hh * T + g->P + m) * D) * w;
+                uint8_t *dst = out + hh * g->ohs + (g->P + m) * D * w;
                 if (whole) {
                     kvwc_rot_dec_bf16_avx2(&q, cr, sc + k, zr ? zr + k : NULL, dst);
                     continue;
@@ -224,7 +224,7 @@ kvw_code kvwc_rot_decode(const kvw_header *h, const kvw_codec_spec *s, const kvw
             else
                 for (size_t d = 0; d < Dn; d++) x[d] = lv[u[d]] * sx[d];
             if (rot) kvwc_rot_row(x, D, B, cb, mask);
-            uint8_t *dst = out + ((hh * T + g->P + m) * D) * w;
+            uint8_t *dst = out + hh * g->ohs + (g->P + m) * D * w;
             if (avx2 && h->dtype == KVW_DTYPE_BF16) {
                 kvwc_rot_to_bf16_avx2(x, t16, D);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__

@@ -120,7 +120,7 @@ kvw_code kvwc_tq_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
         if (err) *err = pe;
         return rc;
     }
-    uint64_t H = g->H, T = g->T, D = g->D, M = g->M, w = g->w;
+    uint64_t H = g->H, D = g->D, M = g->M, w = g->w;
     if (!kvwc_pow2(D) || s->group_size < D) {
         free(sc);
         return kvw_fail(err, KVW_DECODE_FAILED, "KVW-TQ-2",
@@ -165,7 +165,7 @@ kvw_code kvwc_tq_decode(const kvw_header *h, const kvw_codec_spec *s, const kvwc
         for (uint64_t r = r0; r < r0 + R; r++) {
             float *yr = y + (r - r0) * D;
             if (rot) kvwc_rot_row(yr, D, D, cb, mask); /* back from the rotated basis (TQ-3) */
-            store_row(out + (((r / M) * T + g->P + r % M) * D) * w, yr, D, h->dtype);
+            store_row(out + (r / M) * g->ohs + (g->P + r % M) * D * w, yr, D, h->dtype);
         }
     }
     free(scratch);

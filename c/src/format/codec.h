@@ -23,6 +23,8 @@ typedef struct kvwc_geom {
     int zeros;             /* int_affine asymmetric */
     unsigned bits;         /* 8 for fp8 */
     uint64_t fp_bytes, param_bytes, code_bytes, Lb;
+    uint64_t ohs;          /* output bytes from one head to the next: T * D * w (a chunk tensor), or
+                            * more (a token slice of a layer tensor: kvw_decode_wire_heads) */
 } kvwc_geom;
 
 /* Spec checks a decoder relies on (CSPEC-4..6, FP8-1, INT-1, INT-2; the header rules

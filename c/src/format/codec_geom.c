@@ -109,6 +109,7 @@ kvw_code kvwc_lossy_geometry(const kvw_header *h, const kvw_record *rec,
     if (qb > t1) qb = t1;
     if (qb < qa) qb = qa;
     g->H = H, g->T = T, g->D = D, g->w = w;
+    g->ohs = T * D * w; /* no overflow: H * T * D * w is the record's raw_length, checked above */
     g->P = (uint64_t)(qa - t0), g->Q = (uint64_t)(t1 - qb), g->M = (uint64_t)(qb - qa);
     uint64_t M = g->M, HMD;
     if (mul3(H, M, D, &HMD)) goto overflow;

@@ -180,7 +180,7 @@ void kvwc_tq_enc_row_avx2(float *y, uint64_t D, float den, const uint32_t *mask,
 void kvwc_tq_rows8_bf16(const kvwc_geom *g, const uint8_t *codes, const float *lv, const float *s,
                         const uint32_t *mask, float cb, uint64_t r0, uint8_t *out) {
     static const uint16_t grp0[16] = {0}; /* every register (D <= 128): the row's one scale */
-    uint64_t D = g->D, T = g->T, M = g->M;
+    uint64_t D = g->D, M = g->M;
     unsigned b = g->bits;
     float n[8], lr[16];
     size_t rb = (size_t)D * b / 8; /* one row's code bytes */
@@ -190,6 +190,6 @@ void kvwc_tq_rows8_bf16(const kvwc_geom *g, const uint8_t *codes, const float *l
         for (unsigned j = 0; j < 16; j++) lr[j] = lv[j] * inv; /* v * inv, then * s */
         kvwc_rot_drow q = {b, lr, grp0, mask, cb, D};
         uint64_t rr = r0 + r;
-        kvwc_rot_dec_bf16_avx2(&q, codes + r * rb, s + r, NULL, out + (((rr / M) * T + g->P + rr % M) * D) * 2);
+        kvwc_rot_dec_bf16_avx2(&q, codes + r * rb, s + r, NULL, out + (rr / M) * g->ohs + (g->P + rr % M) * D * 2);
     }
 }

@@ -7,8 +7,8 @@ the simple one. A chunk [heads, tokens, dim] goes to a token slice of a [heads, 
 tokens, dim] tensor: ``heads`` contiguous runs at a stride. numpy's strided assignment
 holds the GIL, so threads over it only contend (measured 0.7x of one thread). With native
 decoding on (``kvwire.codecs.native``), every step of a chunk releases the GIL: the
-checksum (xxhash-python, bodies over 64 KiB), the decode into a per-thread scratch buffer
-or straight into place, and the copy of the runs (``native.copy_runs``). Chunks are then
+checksum (xxhash-python, bodies over 64 KiB), the decode with every head straight into its
+token slice (``native.decode_heads``), and the checked copy of raw runs (``native.copy_runs``). Chunks are then
 handed to ``threads`` workers (the caller being one) that take the next chunk from a
 shared counter: per-chunk futures cost more than small chunks take (measured: a
 ThreadPoolExecutor future per chunk made two threads slower than one).
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..codecs import native
-from ..codecs.kernels import scratch
 from ..format import registry as R
+from ..format.errors import ChecksumError
 from .args import check_count
 from .tensors import as_numpy, as_uint, copy_raw, is_torch
 
@@ -95,8 +95,12 @@ def _one(reader, job, verify: bool) -> None:
     if not c.raw_length:
         return
     if raw:
-        native.copy_runs(np.frombuffer(stored, np.uint8).ctypes.data, c.raw_length, addr, run, stride,
-                         checksum=c.checksum if verify else None)
+        try:
+            native.copy_runs(np.frombuffer(stored, np.uint8).ctypes.data, c.raw_length, addr, run, stride,
+                             checksum=c.checksum if verify else None)
+        except ChecksumError:  # the numpy path's words: which chunk of which layer
+            raise ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {c.layer}) body checksum mismatch",
+                                rule="KVW-CSUM-1") from None
         return
     h = reader.header
     spec = int(reader.records["reserved0"][i]) if h.codec_specs else 0
@@ -104,9 +108,10 @@ def _one(reader, job, verify: bool) -> None:
     if region.flags.c_contiguous:  # one head, or the chunk spans the layer: decode in place
         native.decode_wire(h, rec, stored, region)
         return
-    tmp = scratch(41, c.raw_length, np.uint8)  # this thread's: copied out right away
-    native.decode_wire(h, rec, stored, tmp)
-    native.copy_runs(tmp.ctypes.data, c.raw_length, addr, run, stride)
+    # each head straight into its token slice (the lossy decoders write there; zstd and
+    # byteplane bodies are decoded whole in C and their heads copied out)
+    if not native.decode_heads(h, rec, stored, addr, (region.shape[0] - 1) * stride + run, stride):
+        _numpy_one(reader, i, host_u, a, verify)  # native switched off meanwhile: nothing was written
 
 
 def run(reader, jobs: list | None, verify: bool, threads: int) -> None:

@@ -1,18 +1,23 @@
-"""Optional native decoding of chunk bodies through libkvwire (c/).
+"""Native decoding of chunk bodies (and lossy encoding) through libkvwire (c/), on by default.
 
-Why: the numpy codecs are the reference and stay the default, but they decode at about
-0.6-1.0 GB/s on one core; libkvwire's decoders (the same spec, held to the same
-conformance kit) run at 1.4-2.7 GB/s, and ctypes releases the GIL for the call, so
-threads decode distinct chunks in parallel. Nothing here is loaded unless asked for:
+Why: the numpy codecs are the reference, but they decode at about 0.2-1.0 GB/s on one
+core; libkvwire's codecs (the same spec, held to the same conformance kit, byte-identical
+outputs) run at 1.2-3.6 GB/s, and ctypes releases the GIL for each call, so threads
+decode distinct chunks in parallel. A wheel built with a C compiler carries the library
+beside this module (setup.py); a checkout uses ``build/c/libkvwire.so`` (``make c``).
 
-- ``KVWIRE_NATIVE=1``: the checkout's ``build/c/libkvwire.so`` (``make c``);
+- unset (or ``KVWIRE_NATIVE=1``): that library when it is there, else numpy;
+- ``KVWIRE_NATIVE=0``: numpy only;
 - ``KVWIRE_NATIVE=/path/to/libkvwire.so``: that library;
-- ``enable(path=None)`` / ``disable()`` at run time; ``available()`` says whether it is on.
+- ``enable(path=None)`` / ``disable()`` at run time; ``available()`` says whether it is on,
+  ``status()`` which path is active and why (``kvwire --version`` prints it).
 
-The package installs and passes everything without it. A header is handed to C once (its
-reference encoding, parsed and checked by ``kvw_header_new``) and the handle cached per
-Header object; an error of libkvwire becomes the ``FormatError`` subclass of the same
-registry code and rule as the numpy path's.
+A library that is there but cannot be loaded (another platform's, a stale build, a missing
+libzstd) is one ``RuntimeWarning`` at import and the numpy path, never an exception: the
+package works without it. A header is handed to C once (its reference encoding, parsed and
+checked by ``kvw_header_new``) and the handle cached per Header object; an error of
+libkvwire becomes the ``FormatError`` subclass of the same registry code and rule as the
+numpy path's.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ import numpy as np
 
 from ..format import errors as E
 from ..format.container import RECORD_STRUCT
+from .native_lib import ENV, KvwError, default_path, load_library, missing_reason
 
 if TYPE_CHECKING:
     from ..format.header import Header
 
-DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "c" / "libkvwire.so"
 CODECS = {"raw": 0, "zstd": 1, "byteplane_zstd": 2, "fp8": 3, "int_affine": 4}
 _RECORD = RECORD_STRUCT  # a ChunkRecord (spec 8.1, 56 bytes), as the container module defines it
 _ERR_INVALID_ARGUMENT = 1000
@@ -50,11 +55,6 @@ _CLASSES = {
 }
 
 
-class _Error(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("rule", ctypes.c_char_p), ("needed", ctypes.c_uint64),
-                ("message", ctypes.c_char * 240)]
-
-
 class NativeError(E.Error, RuntimeError):
     """libkvwire failed for a reason that is not about the input (memory, API misuse)."""
 
@@ -62,66 +62,47 @@ class NativeError(E.Error, RuntimeError):
 
 
 _lock = threading.Lock()
-_state = SimpleNamespace(lib=None)  # the loaded library while enabled (one per process)
+_state = SimpleNamespace(lib=None, path=None, why="not loaded")  # the library while enabled (one per process), its path, why not
 _handles: dict[int, tuple[weakref.ref[Any], int | None]] = {}  # id(header) -> (weakref to it, handle or None when C cannot take it)
 
 
-def _load(path: str | os.PathLike[str]) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.kvw_error_size.restype = ctypes.c_size_t
-    lib.kvw_error_size.argtypes = []
-    if lib.kvw_error_size() != ctypes.sizeof(_Error):
-        raise OSError(f"{path}: kvw_error is {lib.kvw_error_size()} bytes, expected {ctypes.sizeof(_Error)}")
-    lib.kvw_header_new.restype = ctypes.c_int
-    lib.kvw_header_new.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
-                                   ctypes.POINTER(_Error)]
-    lib.kvw_header_delete.restype = None
-    lib.kvw_header_delete.argtypes = [ctypes.c_void_p]
-    lib.kvw_decode_ctx_new.restype = ctypes.c_int
-    lib.kvw_decode_ctx_new.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    lib.kvw_decode_ctx_free.restype = None
-    lib.kvw_decode_ctx_free.argtypes = [ctypes.c_void_p]
-    lib.kvw_decode_wire.restype = ctypes.c_int
-    lib.kvw_decode_wire.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
-                                    ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Error)]
-    lib.kvw_lossy_encode_wire.restype = ctypes.c_int
-    lib.kvw_lossy_encode_wire.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
-                                          ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
-                                          ctypes.POINTER(_Error)]
-    lib.kvw_xxh3_runs.restype = ctypes.c_uint64
-    lib.kvw_xxh3_runs.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
-    lib.kvw_copy_checked.restype = ctypes.c_int
-    lib.kvw_copy_checked.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(_Error)]
-    lib.kvw_code_name.restype = ctypes.c_char_p
-    lib.kvw_code_name.argtypes = [ctypes.c_int]
-    return lib
-
-
 def enable(path: str | os.PathLike[str] | None = None) -> None:
-    """Decode through libkvwire from now on (``path``: the .so; default the checkout's
-    ``build/c/libkvwire.so``). Raises OSError when it cannot be loaded."""
-    p = Path(path) if path is not None else DEFAULT_PATH
-    if not p.exists():
-        raise OSError(f"{p} not found: build it with `make c` (needs: sudo apt-get install -y gcc make "
-                      "libzstd-dev libxxhash-dev)")
-    lib = _load(p)
+    """Decode through libkvwire from now on (``path``: the .so; default ``default_path()``).
+    Raises OSError when it cannot be loaded (native stays as it was)."""
+    p = Path(path) if path is not None else default_path()
+    if p is None:
+        raise OSError(missing_reason())
+    lib = load_library(p)
     with _lock:
         _drop_handles()
-        _state.lib = lib
+        _state.lib, _state.path, _state.why = lib, p, None
 
 
-def disable() -> None:
+def disable(why: str = "disabled at run time (native.disable())") -> None:
     """Back to the numpy reference codecs. Like ``enable``, it frees the cached C headers:
     call neither while another thread is decoding."""
     with _lock:
         _drop_handles()
-        _state.lib = None
+        _state.lib, _state.path, _state.why = None, None, why
 
 
 def available() -> bool:
     """True when native decoding is enabled (and the library loaded)."""
     return _state.lib is not None
+
+
+def library() -> Path | None:
+    """The path of the library in use, None on the numpy path (``enable(library())``
+    restores a state saved this way)."""
+    path: Path | None = _state.path
+    return path
+
+
+def status() -> str:
+    """One line: which codecs are active and, for numpy, why (``kvwire --version``)."""
+    if _state.lib is not None:
+        return f"native (libkvwire {_state.lib.kvw_version().decode()}, {_state.path}); {ENV}=0 for numpy"
+    return f"numpy ({_state.why})"
 
 
 def _drop_handles() -> None:
@@ -131,7 +112,7 @@ def _drop_handles() -> None:
     _handles.clear()
 
 
-def _fail(lib: ctypes.CDLL, e: _Error, code: int) -> NoReturn:
+def _fail(lib: ctypes.CDLL, e: KvwError, code: int) -> NoReturn:
     name = lib.kvw_code_name(code).decode()
     msg = e.message.decode(errors="replace")
     if code >= _ERR_INVALID_ARGUMENT:
@@ -157,7 +138,7 @@ def _handle(header: Header) -> int | None:
         fb = None
     h = None
     if fb is not None:
-        out, e = ctypes.c_void_p(), _Error()
+        out, e = ctypes.c_void_p(), KvwError()
         if lib.kvw_header_new(fb, len(fb), ctypes.byref(out), ctypes.byref(e)) == 0:
             h = out.value
 
@@ -224,11 +205,32 @@ def decode_wire(header: Header, rec: bytes, stored: Any, out: Any = None) -> Any
     dst = _buffer(out, raw_length)
     if dst is None:
         raise ValueError("out must be a contiguous writable buffer of raw_length bytes")
-    e = _Error()
+    e = KvwError()
     code = lib.kvw_decode_wire(_context(lib), h, rec, src.ctypes.data, n, dst[0], dst[1], ctypes.byref(e))
     if code:
         _fail(lib, e, code)
     return out
+
+
+def decode_heads(header: Header, rec: bytes, stored: Any, dst: int, span: int, head_stride: int) -> bool:
+    """Decode one stored body with its heads ``head_stride`` bytes apart from address
+    ``dst`` (a chunk straight into its token slice of a [heads, layer tokens, dim] tensor;
+    ``span``: the bytes from ``dst`` the caller guarantees, at least (heads - 1) *
+    head_stride + raw_length / heads). The GIL is released for the call. Returns False
+    (nothing written) when native decoding is off or C does not take this header."""
+    lib = _state.lib
+    if lib is None:
+        return False
+    h = _handle(header)
+    if not h:
+        return False
+    src = np.frombuffer(memoryview(stored).cast("B"), np.uint8) if memoryview(stored).nbytes else np.zeros(1, np.uint8)
+    e = KvwError()
+    code = lib.kvw_decode_wire_heads(_context(lib), h, rec, src.ctypes.data, memoryview(stored).nbytes, dst, span,
+                                     head_stride, ctypes.byref(e))
+    if code:
+        _fail(lib, e, code)
+    return True
 
 
 def copy_runs(src: int, n: int, dst: int, run: int, stride: int, checksum: int | None = None) -> None:
@@ -239,8 +241,8 @@ def copy_runs(src: int, n: int, dst: int, run: int, stride: int, checksum: int |
     keeps both buffers alive and guarantees the ranges. Needs native decoding enabled."""
     lib = _state.lib
     if lib is None:
-        raise RuntimeError("native decoding is not enabled (KVWIRE_NATIVE=1 or native.enable())")
-    e = _Error()
+        raise RuntimeError(f"native decoding is not enabled ({status()})")
+    e = KvwError()
     code = lib.kvw_copy_checked(src, n, checksum or 0, checksum is not None, dst, run, stride, ctypes.byref(e))
     if code:
         if lib.kvw_code_name(code) == b"BODY_CHECKSUM":
@@ -285,7 +287,7 @@ def encode_lossy(header: Header, rec: bytes, raw: Any, out: Any = None) -> np.nd
         return None
     src = np.frombuffer(memoryview(raw).cast("B"), np.uint8)
     n = src.nbytes
-    e, written = _Error(), ctypes.c_size_t()
+    e, written = KvwError(), ctypes.c_size_t()
     if out is None:  # one call for the body's length (geometry only), one to encode
         lib.kvw_lossy_encode_wire(h, rec, src.ctypes.data, n, None, 0, ctypes.byref(written), ctypes.byref(e))
         out = np.empty(max(int(e.needed), 1), np.uint8)
@@ -307,7 +309,7 @@ def decode_chunks(header: Header, items: Iterable[tuple[bytes, Any, Any]], threa
     ``items`` are (record, stored, out) triples as ``decode_wire`` takes them; returns the
     filled outputs in order. Needs native decoding enabled."""
     if _state.lib is None:
-        raise RuntimeError("native decoding is not enabled (KVWIRE_NATIVE=1 or native.enable())")
+        raise RuntimeError(f"native decoding is not enabled ({status()})")
     if _handle(header) is None:
         raise ValueError("libkvwire does not take this header")
     items = list(items)
@@ -353,9 +355,26 @@ def pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _from_env() -> None:
-    v = os.environ.get("KVWIRE_NATIVE", "").strip()
-    if v and v != "0":
-        enable(None if v == "1" else v)
+    """The import-time choice (module docstring): never raises, warns once when a library
+    that should be used cannot be."""
+    import warnings
+
+    v = os.environ.get(ENV, "").strip()
+    if v == "0":
+        _state.why = f"{ENV}=0"
+        return
+    path = None if v in ("", "1") else v
+    if path is None and default_path() is None:
+        _state.why = missing_reason()
+        if v == "1":
+            warnings.warn(f"kvwire: {ENV}=1 but {_state.why}; decoding with numpy", RuntimeWarning, stacklevel=2)
+        return
+    try:
+        enable(path)
+    except OSError as e:
+        _state.why = f"libkvwire failed to load: {e}"
+        warnings.warn(f"kvwire: {_state.why}; decoding with numpy ({ENV}=0 silences this)", RuntimeWarning,
+                      stacklevel=2)
 
 
 _from_env()

@@ -165,13 +165,16 @@ def cmd_demo(args) -> int:
 
 
 def version_text() -> str:
-    """``kvwire --version``: the package and the format versions it reads and writes."""
+    """``kvwire --version``: the package, the format versions it reads and writes, and which
+    codecs decode (libkvwire or numpy, and why numpy)."""
+    from ..codecs import native
     from ..store.keys import KEY_VERSION
 
     return (f"kvwire {__version__}\n"
             f"container format {R.FORMAT_MAJOR}.{R.FORMAT_MINOR}-{R.FORMAT_MAJOR}.{R.FORMAT_MINOR_IMPLEMENTED} "
             f"(spec/kvwire-v1.md; writes the lowest minor whose features a container uses; zstd frames "
-            f"carry content checksums, 1.4)\nstore keys {KEY_VERSION} (spec/store.md)")
+            f"carry content checksums, 1.4)\nstore keys {KEY_VERSION} (spec/store.md)\n"
+            f"codecs: {native.status()}")
 
 
 def main(argv=None) -> int:
