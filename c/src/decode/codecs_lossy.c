@@ -89,6 +89,23 @@ KVW_INLINED void lut_run(uint8_t *dst, const uint8_t *codes, size_t n, const uin
     if (w == 2) {
         uint16_t l16[256], t[BLK];
         for (unsigned c = 0; c < 256; c++) l16[c] = (uint16_t)lut[c];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* eight codes a load and four results a store (the loop is bound by its loads and stores) */
+        size_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            uint64_t c, a, b;
+            memcpy(&c, codes + i, 8);
+            a = (uint64_t)l16[c & 255] | (uint64_t)l16[(c >> 8) & 255] << 16 |
+                (uint64_t)l16[(c >> 16) & 255] << 32 | (uint64_t)l16[(c >> 24) & 255] << 48;
+            b = (uint64_t)l16[(c >> 32) & 255] | (uint64_t)l16[(c >> 40) & 255] << 16 |
+                (uint64_t)l16[(c >> 48) & 255] << 32 | (uint64_t)l16[c >> 56] << 48;
+            memcpy(dst + 2 * i, &a, 8);
+            memcpy(dst + 2 * i + 8, &b, 8);
+        }
+        for (; i < n; i++) memcpy(dst + 2 * i, &l16[codes[i]], 2);
+        (void)t;
+        return;
+#endif
         for (size_t i0 = 0; i0 < n; i0 += BLK) {
             size_t m = n - i0 < BLK ? n - i0 : BLK;
             for (size_t i = 0; i < m; i++) t[i] = l16[codes[i0 + i]];
