@@ -187,19 +187,29 @@ def _buffer(out: Any, raw_length: int) -> tuple[int, int] | None:
     return arr.ctypes.data, arr.nbytes
 
 
+def _lib_and_handle(header: Header) -> tuple[ctypes.CDLL, int | None]:
+    """The library and its parsed copy of ``header``; the handle is None when native is off
+    or C does not take the header."""
+    lib = _state.lib
+    return lib, (_handle(header) if lib is not None else None)
+
+
+def _source(stored: Any) -> tuple[np.ndarray[Any, Any], int]:
+    """A stored body as a uint8 array C can read (one byte for an empty body: a valid
+    address) and its length."""
+    mv = memoryview(stored).cast("B")
+    return (np.frombuffer(mv, np.uint8) if mv.nbytes else np.zeros(1, np.uint8)), mv.nbytes
+
+
 def decode_wire(header: Header, rec: bytes, stored: Any, out: Any = None) -> Any:
     """Decode one stored body (``rec``: its 56-byte wire record) into ``out`` (a contiguous
     writable buffer of at least raw_length bytes) or a fresh uint8 array. Returns what it
     filled, or None when native decoding is off or C does not take this header."""
-    lib = _state.lib
-    if lib is None:
-        return None
-    h = _handle(header)
+    lib, h = _lib_and_handle(header)
     if not h:
         return None
     raw_length = _RECORD.unpack(rec)[2]
-    src = np.frombuffer(memoryview(stored).cast("B"), np.uint8) if memoryview(stored).nbytes else np.zeros(1, np.uint8)
-    n = memoryview(stored).nbytes
+    src, n = _source(stored)
     if out is None:
         out = np.empty(raw_length, np.uint8)
     dst = _buffer(out, raw_length)
@@ -218,16 +228,13 @@ def decode_heads(header: Header, rec: bytes, stored: Any, dst: int, span: int, h
     ``span``: the bytes from ``dst`` the caller guarantees, at least (heads - 1) *
     head_stride + raw_length / heads). The GIL is released for the call. Returns False
     (nothing written) when native decoding is off or C does not take this header."""
-    lib = _state.lib
-    if lib is None:
-        return False
-    h = _handle(header)
+    lib, h = _lib_and_handle(header)
     if not h:
         return False
-    src = np.frombuffer(memoryview(stored).cast("B"), np.uint8) if memoryview(stored).nbytes else np.zeros(1, np.uint8)
+    src, n = _source(stored)
     e = KvwError()
-    code = lib.kvw_decode_wire_heads(_context(lib), h, rec, src.ctypes.data, memoryview(stored).nbytes, dst, span,
-                                     head_stride, ctypes.byref(e))
+    code = lib.kvw_decode_wire_heads(_context(lib), h, rec, src.ctypes.data, n, dst, span, head_stride,
+                                     ctypes.byref(e))
     if code:
         _fail(lib, e, code)
     return True
