@@ -214,7 +214,7 @@ def render(meta: dict, rows: list, base: list, out: Path) -> None:
         "runs; compare rows of one run).", "",
         "GB/s count decoded (raw) bytes. *load*: `Reader.load()` (checksums verified, one allocation, chunks "
         "decoded into place); *body*: the codec alone over every stored body (fresh output per chunk); "
-        "*native*: encode and `Reader.load(threads=1)` again with libkvwire's codecs on (`KVWIRE_NATIVE=1`; "
+        "*native*: encode and `Reader.load(threads=1)` again with libkvwire's codecs on (the default; "
         "`kvwire plan` reads this column when native decoding is on). "
         f"CPU: {meta.get('cpu', '?')}. "
         f"A {LINK_GBPS} Gbps link carries {LINK_GBPS / 8:.2f} GB/s.", "",

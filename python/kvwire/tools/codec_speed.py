@@ -5,8 +5,8 @@ codec's name, not those two numbers. They come from the codec benchmark's figure
 file is there and the cache is bf16 (the benchmark's dtype), else from a quick measurement
 here: encode a seeded synthetic cache of the model's shape and time ``Reader.load``.
 Either way the source is reported, since numbers from this machine's numpy decoder are not
-a GPU receiver's; with libkvwire's codecs on (``KVWIRE_NATIVE=1``) the benchmark's native
-column is read, since the rotated presets decode 10-20x faster there than in numpy.
+a GPU receiver's; with libkvwire's codecs on (the default when the library is there) the
+benchmark's native column is read, since the rotated presets decode 10-20x faster there than in numpy.
 """
 
 from __future__ import annotations
