@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
 import kvwire
-from _common import cache_shape_args, cpu_model
+from _common import cache_shape_args, cpu_model, timed
 from kvwire.codecs import decode_chunk, native, quant
 from kvwire.codecs.pipeline import lossy_range
 from kvwire.tools.synth import synth_cache
@@ -116,16 +116,7 @@ def stages(x: np.ndarray, repeat: int = 30) -> dict:
         "np.take from a 256-entry table (a lookup per element)": lambda: np.take(
             np.arange(256, dtype=np.uint16), codes, out=out.reshape(-1).view(np.uint16)),
     }
-    res = {}
-    for name, fn in tests.items():
-        fn()
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        res[name] = statistics.median(ts) * 1e6
-    return res
+    return {name: timed(fn, repeat)[0] * 1e6 for name, fn in tests.items()}
 
 
 def paired(cache, r, old, rounds: int = 3) -> dict:
@@ -167,17 +158,6 @@ def paired(cache, r, old, rounds: int = 3) -> dict:
                      "speedup": statistics.median([a / b for a, b in zip(to, tn)]),
                      "new_us": statistics.median(tn) * 1e6}
     return res
-
-
-def timed(fn, repeat: int):
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - t0)
-        del out
-    return statistics.median(samples), min(samples)
 
 
 def chunks_of(cache):

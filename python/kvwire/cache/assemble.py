@@ -51,6 +51,12 @@ def resolve_threads(threads) -> int:
     return n
 
 
+def body_checksum_error(i: int, layer: int) -> ChecksumError:
+    """KVW-CSUM-1 for chunk ``i`` of ``layer``: the one message of the reader and of the
+    native copy that hashes as it places."""
+    return ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {layer}) body checksum mismatch", rule="KVW-CSUM-1")
+
+
 def runs_contiguous(host: np.ndarray) -> bool:
     """True when every head of a token slice of ``host`` [heads, tokens, dim] is one
     contiguous run (dim and token strides dense; any head stride)."""
@@ -98,9 +104,8 @@ def _one(reader, job, verify: bool) -> None:
         try:
             native.copy_runs(np.frombuffer(stored, np.uint8).ctypes.data, c.raw_length, addr, run, stride,
                              checksum=c.checksum if verify else None)
-        except ChecksumError:  # the numpy path's words: which chunk of which layer
-            raise ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {c.layer}) body checksum mismatch",
-                                rule="KVW-CSUM-1") from None
+        except ChecksumError:  # libkvwire does not know the chunk: the reader's words, which chunk of which layer
+            raise body_checksum_error(i, c.layer) from None
         return
     h = reader.header
     spec = int(reader.records["reserved0"][i]) if h.codec_specs else 0

@@ -33,12 +33,12 @@ from ..format.container import (
     read_header,
     xxh3,
 )
-from ..format.errors import ChecksumError, LayoutError, LimitError, TruncatedError
+from ..format.errors import LayoutError, LimitError, TruncatedError
 from ..format.header import Header
 from ..format.limits import DEFAULT_MAX_DECODED_BYTES, MAX_CHUNKS
 from ..format.state import STATE, state_tensor_of
 from .args import BACKENDS, check_choice, check_count, check_device, check_index
-from .assemble import fill_layer, resolve_threads
+from .assemble import body_checksum_error, fill_layer, resolve_threads
 from .assemble import run as run_jobs
 from .kvcache import KVCache
 from .tensors import carve, empty, view, writable
@@ -242,8 +242,7 @@ class Reader:
                                   rule="KVW-FILE-4")
             self._frame_checked[i] = True
         if verify and xxh3(stored) != c.checksum:
-            raise ChecksumError("BODY_CHECKSUM", f"chunk {i} (layer {c.layer}) body checksum mismatch",
-                                rule="KVW-CSUM-1")
+            raise body_checksum_error(i, c.layer)
         return c, stored
 
     def decode(self, i: int, verify: bool = True, backend: str = "numpy", scratch: bool = False) -> Any:
