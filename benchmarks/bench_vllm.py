@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 import vllm_bench_model as vm
 from vllm_bench_report import report
+from vllm_timed_connectors import per_request
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 DRIVER = REPO / "tests" / "vllm_driver.py"
@@ -135,8 +136,11 @@ class Bench:
         spec = {"model": str(self.model), "prompts": prompts, "connector": connector, "max_tokens": 1,
                 "one_by_one": True, "max_model_len": self.max_len, "max_num_batched_tokens": self.max_len,
                 "prefix_caching": prefix_caching}
-        if kv_connector:
-            spec["kv_connector"] = kv_connector
+        steps = self.tmp / f"{tag}.steps"
+        if kv_connector:  # timed where the engine waits for it (vllm_timed_connectors.py)
+            spec["kv_connector"], spec["kv_connector_module"] = "Timed" + kv_connector, "vllm_timed_connectors"
+            env = dict(env or self.env(False), KVWIRE_BENCH_STEPS=str(steps))
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
         sp.write_text(json.dumps(spec))
         t = time.perf_counter()
         with open(self.tmp / f"{tag}.log", "w") as log:
@@ -146,6 +150,9 @@ class Bench:
             raise SystemExit(f"{tag} failed:\n{(self.tmp / f'{tag}.log').read_text()[-4000:]}")
         res = json.loads(out.read_text())
         res["wall_s"] = time.perf_counter() - t
+        if kv_connector:
+            res["conn"] = per_request(steps.read_text().splitlines() if steps.exists() else [], res["spans"])
+            steps.unlink(missing_ok=True)
         sp.unlink()
         return res
 
@@ -160,13 +167,14 @@ class Bench:
         return path
 
     def split(self, res: dict, passes: int) -> list[dict]:
-        """Per pass after the warm-up: {length: [(ttft s, cached tokens, tokens)]}."""
-        rows = list(zip(res["ttft"], res["outputs"], strict=True))[1:]
+        """Per pass after the warm-up: {length: [(ttft s, cached tokens, tokens, connector
+        seconds {"load", "save", "lookup"} or None)]}."""
+        rows = list(zip(res["ttft"], res["outputs"], res.get("conn") or [None] * len(res["ttft"]), strict=True))[1:]
         out = []
         for k in range(passes):
             part, i = {}, k * len(self.flat)
             for n in self.a.lengths:
-                part[n] = [(t, o["num_cached_tokens"], o["tokens"]) for t, o in rows[i:i + self.a.requests]]
+                part[n] = [(t, o["num_cached_tokens"], o["tokens"], c) for t, o, c in rows[i:i + self.a.requests]]
                 i += self.a.requests
             out.append(part)
         return out

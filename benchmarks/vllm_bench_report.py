@@ -39,8 +39,11 @@ def collect(res: dict) -> dict:
             for part in ("hit_first", "hit_repeat", "miss"):
                 for n, samples in (row.get(part) or {}).items():
                     d = out.setdefault(key, {}).setdefault(str(n), {"hit_first": [], "hit_repeat": [], "miss": [],
-                                                                     "cached": [], "tokens": [], "hit_tokens": []})
+                                                                     "cached": [], "tokens": [], "hit_tokens": [],
+                                                                     "conn_hit_first": [], "conn_hit_repeat": [],
+                                                                     "conn_miss": []})
                     d[part] += [s[0] for s in samples]
+                    d["conn_" + part] += [s[3] for s in samples if len(s) > 3 and s[3]]
                     if part != "miss":
                         d["cached"] += [s[1] for s in samples]
                         d["hit_tokens"] += [(i, s[2]) for i, s in enumerate(samples)]
@@ -56,6 +59,43 @@ def same_tokens(data: dict, ref_key: str | None, key: str, field: str = "tokens"
     got = [(ref.get((n, i)), t) for n, d in data[key].items() for i, t in d[field]]
     bad = sum(r is not None and r != t for r, t in got)
     return "yes" if not bad else f"NO ({bad} of {len(got)})"
+
+
+def _med(xs: list, field: str) -> float | None:
+    return statistics.median(x[field] for x in xs) if xs else None
+
+
+def conn_table(data: dict, res: dict, lengths: list, paths: dict) -> list[str]:
+    """The connectors' own time where the engine waits for them (vllm_timed_connectors.py),
+    beside the read + copy bound of the same bytes and ExampleConnector's."""
+    rows = [k for k, d in data.items() if any(d.get(n, {}).get("conn_hit_first") for n in lengths)]
+    if not rows:
+        return []
+    out = ["", "## The connector's own time on the engine's critical path (ms, median)", "",
+           "Measured inside the engines: `start_load_kv` + `wait_for_layer_load` (load) and `save_kv_layer` + "
+           "`wait_for_save` (save) of each hit, each connector subclassed only to time its calls "
+           "(benchmarks/vllm_timed_connectors.py). The engine's own part of a hit (the tail's prefill, the "
+           "first token, scheduling) is the hit TTFT minus these. Load: repeated read (first read); x bound: "
+           "the repeated-read load over reading the same bytes from page cache plus one copy, in this run.", "",
+           "| path | " + " | ".join(f"{_k(n)}: load | x bound | save | engine's part" for n in lengths) + " |",
+           "|---|" + "---:|---:|---:|---:|" * len(lengths)]
+    for key in rows:
+        cells = []
+        for n in lengths:
+            d = data[key].get(n, {})
+            bounds = [b[n] if n in b else b[int(n)] for b in res["bounds"]]
+            warm = statistics.median(b["warm_s"] for b in bounds)
+            rep, first = d.get("conn_hit_repeat") or [], d.get("conn_hit_first") or []
+            load = _med(rep or first, "load")
+            ttft = statistics.median(d["hit_repeat"] or d["hit_first"]) if d.get("hit_first") else None
+            save = _med(rep or first, "save")
+            cells.append(f"{'-' if load is None else f'{load * 1e3:,.0f}'}"
+                         + (f" ({_med(first, 'load') * 1e3:,.0f})" if rep and first else "")
+                         + f" | {'-' if load is None else f'{load / warm:.1f}x'}"
+                         + f" | {'-' if save is None else f'{save * 1e3:,.1f}'}"
+                         + f" | {'-' if ttft is None or load is None else f'{(ttft - load - (save or 0)) * 1e3:,.0f}'}")
+        out.append(f"| {paths[key][0]} | " + " | ".join(cells) + " |")
+    return out
 
 
 def report(res: dict, paths: dict) -> str:
@@ -111,6 +151,7 @@ def report(res: dict, paths: dict) -> str:
             cells.append(_ms(xs) + sp)
         same_hit = same_tokens(data, "vllm-prefix", key, "hit_tokens") if key != "recompute" else "-"
         lines.append(f"| {paths[key][0]} | " + " | ".join(cells) + f" | {same_tokens(data, ref, key)} | {same_hit} |")
+    lines += conn_table(data, res, lengths, paths)
     for n in lengths:
         bounds = [b[n] if n in b else b[int(n)] for b in res["bounds"]]
         warm = statistics.median(b["warm_s"] for b in bounds)

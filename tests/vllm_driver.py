@@ -10,7 +10,9 @@ before generating: a consumer running beside its producer), "done": path or null
 after generating), "engine": {extra LLM keywords, e.g. enable_lora}}. A prompt is a list of
 token ids or {"prompt_token_ids": [...], "cache_salt": str, "lora": [name, id, path],
 "embeds": n (n random prompt embeddings instead of tokens)}. OUT: {"outputs": [{"tokens": [...], "num_cached_tokens": n}],
-"seconds": generate time, "ttft": [per-prompt seconds of a 1-token run when asked]}.
+"seconds": generate time, "ttft": [per-prompt seconds of a 1-token run when asked], "spans": [per-prompt
+(start, end) on the machine's monotonic clock, one_by_one only]}. "kv_connector_module": the module
+of the kv_connector class instead of vLLM's registry (benchmarks time connectors this way).
 """
 
 import json
@@ -47,6 +49,8 @@ def main():
     if spec.get("connector") is not None:
         name = spec.get("kv_connector", "KVWireConnector")  # or vLLM's own "ExampleConnector" (benchmarks)
         path = {"kv_connector_module_path": "kvwire.integrations.vllm"} if name == "KVWireConnector" else {}
+        if spec.get("kv_connector_module"):  # another module's class (benchmarks/vllm_timed_connectors.py)
+            path = {"kv_connector_module_path": spec["kv_connector_module"]}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"], **path)
@@ -63,7 +67,7 @@ def main():
                 raise SystemExit("timed out waiting for " + spec["wait_for"])
             time.sleep(0.2)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
-    outputs, ttft = [], []
+    outputs, ttft, spans = [], [], []
     t0 = time.perf_counter()
     if spec.get("one_by_one"):
         for n, p in enumerate(spec["prompts"]):
@@ -71,16 +75,17 @@ def main():
                 open(spec["pause_flag"], "w").close()
                 while not os.path.exists(spec["resume_flag"]):
                     time.sleep(0.1)
-            a = time.perf_counter()
+            a, span0 = time.perf_counter(), time.monotonic()
             prompt, lora = prompt_of(p, hidden)
             o = llm.generate([prompt], params, use_tqdm=False, **({"lora_request": lora} if lora else {}))[0]
             ttft.append(time.perf_counter() - a)
+            spans.append((span0, time.monotonic()))
             outputs.append(o)
     else:
         outputs = llm.generate([prompt_of(p, hidden)[0] for p in spec["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     out = {"outputs": [{"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
-                       for o in outputs], "seconds": seconds, "ttft": ttft}
+                       for o in outputs], "seconds": seconds, "ttft": ttft, "spans": spans}
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
     if spec.get("done"):

@@ -646,6 +646,21 @@ kvw_code kvw_copy_checked(const uint8_t *src, size_t n, uint64_t checksum, int v
 /* XXH3-64 of the concatenation of runs runs of run bytes at src + r * stride (a chunk's
  * heads in a layer tensor, as a writer checksums a body it sends as pieces). */
 uint64_t kvw_xxh3_runs(const uint8_t *src, size_t runs, size_t run, size_t stride);
+/* Slot-addressed copies between a standard [heads, tokens, dim] array (elements of esize 1, 2,
+ * 4 or 8 bytes; a token's dim elements contiguous, heads std_head_stride bytes apart) and an
+ * engine's paged view [n_blocks, heads, block_size, dim] whose byte strides are strides[4]
+ * (block, head, token, channel: any, e.g. K transposed per block and head). Token t of the
+ * standard array is slot slots[t] = block * block_size + offset of the view. Every slot is
+ * checked (0 <= slot < n_blocks * block_size) before a byte is copied: KVW_ERR_INVALID_ARGUMENT
+ * otherwise. Runs of consecutive slots in one block copy as rows (memcpy) or as tiles
+ * transposed in the caches. Thread-safe; distinct destinations may be copied in parallel. */
+kvw_code kvw_scatter_slots(const uint8_t *src, size_t heads, size_t tokens, size_t dim, size_t esize,
+                           size_t std_head_stride, const int64_t *slots, uint8_t *dst, size_t n_blocks,
+                           size_t block_size, const size_t strides[4], kvw_error *err);
+/* The reverse: the view's slots into the standard array dst. */
+kvw_code kvw_gather_slots(uint8_t *dst, size_t heads, size_t tokens, size_t dim, size_t esize,
+                          size_t std_head_stride, const int64_t *slots, const uint8_t *src, size_t n_blocks,
+                          size_t block_size, const size_t strides[4], kvw_error *err);
 /* ==== end FFI copy ==== */
 
 /* ==== ffi encode additions ==== */

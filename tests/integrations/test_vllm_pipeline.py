@@ -212,6 +212,44 @@ def test_steps_share_one_loader_thread(fidelity_key):
     assert len(set(names)) == 1 and names[0] == loader.thread.ident
 
 
+def test_loader_threads_run_on_every_core_the_engines_threads_use():
+    """vLLM's CPU worker binds each compute thread to one core and the main thread to the
+    first; a loader started from it would inherit that one core, so its threads share it.
+    engine_cores() is the union of the process's threads' cores, and the loader's threads
+    run on all of them while the thread that started them keeps its own."""
+    from kvwire.integrations.vllm_engine import compute_threads, engine_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail(f"this test needs a machine with 2 cores or more, this process may use {cores}")
+    first, rest = {cores[0]}, set(cores[1:])
+    ready, stop = threading.Event(), threading.Event()
+
+    def compute_thread():  # one of the engine's OpenMP threads, bound to the other cores
+        os.sched_setaffinity(0, rest)
+        ready.set()
+        stop.wait(30)
+
+    helper = threading.Thread(target=compute_thread, daemon=True)
+    helper.start()
+    assert ready.wait(10)
+    main_before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, first)  # the worker's main thread, bound to the first core
+    try:
+        assert engine_cores() == set(cores)
+        assert compute_threads(engine_cores()) == min(torch.get_num_threads(), len(cores))
+        with Loader(threads=2, cores=engine_cores()) as loader:
+            got = [loader.submit(os.sched_getaffinity, 0).result() for _ in range(4)]
+        assert all(g == set(cores) for g in got)
+        with Loader(threads=1) as inherited:  # without cores: the starting thread's one core
+            assert inherited.submit(os.sched_getaffinity, 0).result() == first
+        assert os.sched_getaffinity(0) == first  # the engine's main thread is left as it was
+    finally:
+        os.sched_setaffinity(0, main_before)
+        stop.set()
+        helper.join(10)
+
+
 def test_a_stuck_loader_never_holds_up_the_engines_exit():
     """An engine that dies mid-step leaves its pipeline waiting for a forward pass that will
     not come; the loader thread is a daemon, so the process still exits (a

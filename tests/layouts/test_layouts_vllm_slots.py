@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire import layouts
+from kvwire.codecs import native, native_slots
 from kvwire.layouts import LayoutMismatchError, check_slot_packing, gather_slots, scatter_slots
 
 # (packing, cpu_isa): every copy gather_slots / scatter_slots make
@@ -70,12 +71,15 @@ def geometries(draw):
     return kind, nb, h, n, d, ids
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(geo=geometries(), dtype=st.sampled_from(sorted(DTYPES)), indexed=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
-def test_every_packing_scatters_and_gathers_bit_exactly(geo, dtype, indexed, seed):
+       seed=st.integers(0, 2**31 - 1), c_copies=st.booleans())
+def test_every_packing_scatters_and_gathers_bit_exactly(lib, geo, dtype, indexed, seed, c_copies):
     """Random bit patterns (NaN payloads, fp8 bytes) scattered to the slots land exactly
-    where vLLM keeps them, nothing else changes, and gathering gives them back bit for bit."""
+    where vLLM keeps them, nothing else changes, and gathering gives them back bit for bit:
+    with libkvwire's slot copies (``c_copies``: kvw_scatter_slots / kvw_gather_slots, rows
+    and 8 x 8 transposed tiles) and with numpy's."""
+    native.enable(lib) if c_copies else native.disable()
     (packing, isa), nb, h, n, d, ids = geo
     tdt, bits = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -188,3 +192,55 @@ def test_a_paged_layer_and_a_slot_plan_serve_every_layer_like_scatter_slots():
             assert np.array_equal(got["v"].view(torch.int16).numpy().view(np.uint16), v)
         with pytest.raises(ValueError, match="blocks of 16 tokens"):
             layouts.PagedLayer(bufs[0], 32, packing, isa).scatter(layouts.SlotPlan(ids, 16), {"k": k, "v": v})
+
+
+def test_c_slot_copies_take_the_cpu_views_and_refuse_slots_outside_them(lib):
+    """libkvwire copies vLLM's CPU views itself (K transposed per block and head, V rows: the
+    C path is taken, not numpy's) and checks every slot id before writing: one outside the
+    view is a ValueError and the buffer is unchanged."""
+    native.enable(lib)
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randint(-2**15, 2**15 - 1, (4, 2, 32, 256), dtype=torch.int16, generator=gen)
+    paged = layouts.PagedLayer(buf.view(torch.bfloat16), 128, "tokens", "vec")
+    ids = np.asarray(layouts.slots_from_blocks([2, 0], 32, 64), dtype=np.int64)
+    std = torch.randint(-2**15, 2**15 - 1, (2, 64, 128), dtype=torch.int16, generator=gen).numpy()
+    for comp in ("k", "v"):
+        assert native_slots.scatter_slots(std, ids, paged.host_views[comp])
+        back = np.empty_like(std)
+        assert native_slots.gather_slots(paged.host_views[comp], ids, back)
+        assert np.array_equal(back, std)
+    before = buf.clone()
+    bad = ids.copy()
+    bad[-1] = 4 * 32  # one past the view's last slot
+    with pytest.raises(ValueError, match="outside the view's 128 slots"):
+        native_slots.scatter_slots(std, bad, paged.host_views["k"])
+    assert torch.equal(buf, before)
+    native.disable()
+    assert not native_slots.scatter_slots(std, ids, paged.host_views["k"])  # numpy's copies then
+
+
+@pytest.mark.parametrize(("n", "d"), [(16, 8), (16, 12), (32, 20), (32, 128), (8, 7)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "f32"])
+def test_c_slot_copies_equal_numpys_for_every_run_and_tile_edge(lib, n, d, dtype):
+    """libkvwire's copies give the buffer numpy's copies give, for runs that start and end
+    anywhere in a block (8 x 8 tiles and the tokens and channels past them) and every
+    element width, in both directions."""
+    tdt, bits = DTYPES[dtype]
+    info = torch.iinfo(bits)
+    gen = torch.Generator().manual_seed(n * 1000 + d)
+    nb, h = 5, 2
+    for start, stop in ((0, nb * n), (3, 3 * n + 5), (n - 1, 2 * n + 9), (5, 5 + 13)):
+        ids = np.asarray(layouts.slots_from_blocks([4, 1, 3, 0, 2], n, stop), dtype=np.int64)[start:]
+        base = torch.randint(info.min, info.max, (nb, h, n, 2 * d), dtype=torch.int64, generator=gen).to(bits)
+        arrays = {c: torch.randint(info.min, info.max, (h, len(ids), d), dtype=torch.int64, generator=gen).to(bits)
+                  for c in ("k", "v")}
+        got = {}
+        for c_copies in (True, False):
+            native.enable(lib) if c_copies else native.disable()
+            buf = base.clone()
+            scatter_slots(buf.view(tdt), ids, {c: x.view(tdt) for c, x in arrays.items()}, d, "tokens", "vec",
+                          indexed=False)
+            got[c_copies] = buf
+            back = gather_slots(buf.view(tdt), ids, d, "tokens", "vec", indexed=False)
+            assert all(torch.equal(back[c].view(bits), arrays[c]) for c in arrays), (start, stop, c_copies)
+        assert torch.equal(got[True], got[False]), (start, stop)

@@ -98,6 +98,13 @@ def library() -> Path | None:
     return path
 
 
+def cdll() -> ctypes.CDLL | None:
+    """The loaded library while native is enabled, else None: for the adapters that wrap
+    more of its functions (``native_slots``)."""
+    lib: ctypes.CDLL | None = _state.lib
+    return lib
+
+
 def status() -> str:
     """One line: which codecs are active and, for numpy, why (``kvwire --version``)."""
     if _state.lib is not None:

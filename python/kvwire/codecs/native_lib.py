@@ -97,6 +97,10 @@ def _typed(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     lib.kvw_copy_checked.restype = ctypes.c_int
     lib.kvw_copy_checked.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(KvwError)]
+    for fn in (lib.kvw_scatter_slots, lib.kvw_gather_slots):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_size_t] * 5, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(KvwError)]
     lib.kvw_code_name.restype = ctypes.c_char_p
     lib.kvw_code_name.argtypes = [ctypes.c_int]
     return lib

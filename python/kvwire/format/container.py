@@ -13,6 +13,7 @@ interval checks (spec KVW-LAYOUT-1).
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -298,7 +299,7 @@ def tail_bound(header: Header) -> int:
 
 def tensor_bytes_per_token(header: Header) -> int:
     """Tensor bytes of one token over every layer and component of ``header``."""
-    return int(header.itemsize) * sum(int(np.prod(s.shape(c, 1))) for s in header.arch.layers for c in s.components)
+    return int(header.itemsize) * sum(math.prod(s.shape(c, 1)) for s in header.arch.layers for c in s.components)
 
 
 def size_bound(header: Header, first_bytes: int) -> int:

@@ -64,6 +64,7 @@ from ..store import KVStore, StoreError, open_store
 from ..store.auth import Keyring
 from .vllm_engine import (
     compute_threads,
+    engine_cores,
     engine_layout_of,
     layer_packing,
     layer_scales_of,
@@ -273,8 +274,11 @@ class KVWireConnector(KVConnectorBase_V1):
         # "auto": layer-wise on devices; on the CPU every layer before the forward pass, whose kernels use every
         # core a loader thread would compete for (docs/vllm.md: 1K hits 15-20% slower with the loader)
         self._ahead = self.layerwise if self.layerwise != "auto" else not on_cpu
-        threads = self.load_threads if self.load_threads != "auto" else 1 if self._ahead else compute_threads()
-        self._loader = Loader(threads=threads)
+        # inline loads run while the forward pass waits: on every core the engine computes on (engine_cores; a
+        # thread started here would inherit the main thread's one core under vLLM's CPU thread binding)
+        cores = None if self._ahead else engine_cores()
+        threads = self.load_threads if self.load_threads != "auto" else 1 if self._ahead else compute_threads(cores)
+        self._loader = Loader(threads=threads, cores=cores)
 
     def _scales(self):
         """The per-layer (k_scale, v_scale) of an fp8 cache (None otherwise), read when used:

@@ -52,13 +52,33 @@ def platform_fp8() -> str:
     return "f8_e4m3fnuz" if fnuz else "f8_e4m3fn"
 
 
-def compute_threads() -> int:
-    """The threads the engine computes with on the CPU (torch's intra-op threads, within the
-    cores this process may run on): the loader's threads when it loads before the forward pass."""
+def engine_cores() -> set[int]:
+    """The cores the engine's threads may run on: the union of every thread's affinity.
+    vLLM's CPU worker binds each OpenMP thread to one core, the main thread to the first, and
+    a thread started from it (the connector's loader) inherits that one core only; before the
+    forward pass the others are idle, and the loader's threads may use all of them."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set(range(os.cpu_count() or 1))
+    cores: set[int] = set()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            cores |= os.sched_getaffinity(tid)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return cores or os.sched_getaffinity(0)
+
+
+def compute_threads(cores: set[int] | None = None) -> int:
+    """The threads the engine computes with on the CPU (torch's intra-op threads, within
+    ``cores``, by default ``engine_cores()``): the loader's threads when it loads before the
+    forward pass."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(torch.get_num_threads(), cores))
+    return max(1, min(torch.get_num_threads(), len(cores if cores is not None else engine_cores())))
 
 
 def model_config_json(model_dir: str) -> dict:
@@ -155,7 +175,7 @@ def layer_scales_of(vllm_config, names: list, arch) -> tuple:
     return tuple(out)
 
 
-__all__ = ["backend_name", "compute_threads", "cpu_isa", "engine_layout_of", "layer_packing", "layer_scales_of", "model_config_json",
+__all__ = ["backend_name", "compute_threads", "engine_cores", "cpu_isa", "engine_layout_of", "layer_packing", "layer_scales_of", "model_config_json",
            "platform_fp8"]
 
 

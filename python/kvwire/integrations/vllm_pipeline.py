@@ -24,6 +24,7 @@ without an engine.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -64,9 +65,12 @@ class Loader(Executor):
     ThreadPoolExecutor's workers they never hold up the interpreter's exit (an engine that
     dies mid-step leaves its pipeline waiting for a forward pass that will not come)."""
 
-    def __init__(self, name: str = "kvwire-layer-loads", threads: int = 1):
+    def __init__(self, name: str = "kvwire-layer-loads", threads: int = 1, cores: set[int] | None = None):
+        """``cores``: the CPUs the threads may run on (None: the creating thread's, which
+        they inherit)."""
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        self.cores = set(cores) if cores else None
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._serve, name=f"{name}-{k}" if k else name, daemon=True)
                         for k in range(threads)]
@@ -80,6 +84,8 @@ class Loader(Executor):
         return future
 
     def _serve(self) -> None:
+        if self.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cores)  # this thread only (Linux): not the engine's main thread
         while True:
             future, fn, args, kwargs = self._calls.get()
             if future.set_running_or_notify_cancel():

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..cache.cuda import int_view
 from ..cache.tensors import as_numpy, as_uint
+from ..codecs import native_slots
 from .backends import KV_PACKINGS, cpu_layout_name
 from .ids import id_runs
 
@@ -254,6 +255,9 @@ class PagedLayer:
                 continue
             dst = torch.empty((view.shape[1], len(plan), view.shape[-2] * c if g > 1 else view.shape[3]),
                               dtype=view.dtype, device=view.device)
+            if g == 1 and self.host_views and native_slots.gather_slots(self.host_views[comp], plan.ids, dst.numpy()):
+                out[comp] = dst.view(kv.dtype)  # libkvwire, the GIL released
+                continue
             eng, std = (self.host_views[comp], dst.numpy()) if self.host_views else (view, dst)
             for src, part in _copies(eng, g, c, std, plan.steps(g), n):
                 _copy(part, src)
@@ -278,10 +282,12 @@ class PagedLayer:
             blocks, offs = self._index(plan)
         for comp, (view, g, c) in self.views.items():
             a = arrays[comp]
-            if self.host_views is not None and not self.index:  # numpy copies from the given memory
+            if self.host_views is not None and not self.index:  # copies from the given memory
                 eng = self.host_views[comp]
                 src = (int_view(self._width(a).cpu()).numpy() if isinstance(a, torch.Tensor)
                        else as_uint(as_numpy(self._width(a)))).view(eng.dtype)
+                if g == 1 and native_slots.scatter_slots(src, plan.ids, eng):  # libkvwire, the GIL released
+                    continue
             else:  # torch: one host-to-device copy, then index kernels or strided copies on the device
                 if not isinstance(a, torch.Tensor):
                     a = as_uint(as_numpy(self._width(a)))
