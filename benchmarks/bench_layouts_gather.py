@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Per-layer gather and scatter of a vLLM paged KV cache view, by slot ids, through
-``kvwire.layouts.gather_slots`` / ``scatter_slots`` (strided copies, and index kernels as the
-baseline) and through ``kvwire.layouts.EngineBuffers``, on the same tensors.
+``kvwire.layouts.gather_slots`` / ``scatter_slots`` (libkvwire's slot copies where native codecs
+are on, numpy's strided copies and index kernels as the baselines) and through
+``kvwire.layouts.EngineBuffers``, on the same tensors.
 
     .venv/bin/python benchmarks/bench_layouts_gather.py             # CPU, 4 MiB per layer, bf16
     .venv/bin/python benchmarks/bench_layouts_gather.py --device cuda
@@ -37,6 +38,7 @@ import torch
 import kvwire
 from _common import cpu_model
 from kvwire import layouts
+from kvwire.codecs import native
 from kvwire.layouts import gather_slots, scatter_slots, slots_from_blocks
 
 # row -> (attention backend, its packing, CPU kernels' ISA); EngineBuffers binds all but the amx tiles
@@ -76,6 +78,17 @@ def run(args) -> list[tuple]:
             mine = gather_slots(src, ids, D, packing, cpu_isa=isa)
             t_g = timed(lambda: gather_slots(src, ids, D, packing, cpu_isa=isa), args.repeat, sync)
             t_s = timed(lambda: scatter_slots(dst, ids, mine, D, packing, cpu_isa=isa), args.repeat, sync)
+            np_g = np_s = None  # the same strided copies by numpy (native codecs off), where libkvwire made them
+            if dev.type == "cpu" and native.available():
+                lib = native.library()
+                native.disable()
+                try:
+                    theirs = gather_slots(src, ids, D, packing, cpu_isa=isa)
+                    assert all(torch.equal(mine[c].view(torch.int16), theirs[c].view(torch.int16)) for c in mine)
+                    np_g = timed(lambda: gather_slots(src, ids, D, packing, cpu_isa=isa), args.repeat, sync)
+                    np_s = timed(lambda: scatter_slots(dst, ids, mine, D, packing, cpu_isa=isa), args.repeat, sync)
+                finally:
+                    native.enable(lib)
             # the baseline: index kernels per slot (what the connector ran before the strided copies)
             ix = gather_slots(src, ids, D, packing, cpu_isa=isa, indexed=True)
             assert all(torch.equal(mine[c].view(torch.int16), ix[c].view(torch.int16)) for c in ("k", "v")), case
@@ -95,7 +108,7 @@ def run(args) -> list[tuple]:
                 data = layouts.encode_from_engine(eb, blocks, tokens, chunk_tokens=tokens)
                 with kvwire.open(data) as r:
                     eb_s = timed(lambda: eb_dst.scatter(r, blocks, verify=False).synchronize(), args.repeat, sync)
-            rows.append((order, case, ix_g, t_g, eb_g, ix_s, t_s, eb_s))
+            rows.append((order, case, ix_g, np_g, t_g, eb_g, ix_s, np_s, t_s, eb_s))
     return rows
 
 
@@ -108,12 +121,14 @@ def table(args, rows) -> str:
              f"{args.head_dim}, block_size {args.block_size}; best of {args.repeat} runs, ms per layer. "
              f"Machine: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads.", "",
              "*indexed*: gather_slots / scatter_slots with `indexed=True` (per-slot index kernels, the default on "
-             "devices, and what the connector ran on the CPU before); *strided*: the CPU default (strided copies "
-             "per run of blocks); *EngineBuffers*: `kvwire.layouts.bind_vllm`'s run copies (no amx layout).", "",
-             "| blocks | packing | gather: indexed | gather: strided | gather: EngineBuffers | scatter: indexed "
-             "| scatter: strided | scatter: EngineBuffers |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for order, packing, ig, g, eg, is_, s, es in rows:
-        lines.append(f"| {order} | {packing} | {f(ig)} | {f(g)} | {f(eg)} | {f(is_)} | {f(s)} | {f(es)} |")
+             "devices, and what the connector ran on the CPU before); *numpy*: the CPU default's strided copies per "
+             "run of blocks made by numpy (native codecs off); *default*: the CPU default as installed (libkvwire's "
+             f"`kvw_gather_slots` / `kvw_scatter_slots` where it takes the view: {native.status()}); "
+             "*EngineBuffers*: `kvwire.layouts.bind_vllm`'s run copies (no amx layout).", "",
+             "| blocks | packing | gather: indexed | numpy | default | EngineBuffers | scatter: indexed | numpy "
+             "| default | EngineBuffers |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for order, packing, *cells in rows:
+        lines.append(f"| {order} | {packing} | " + " | ".join(f(x) for x in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

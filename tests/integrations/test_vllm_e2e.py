@@ -39,8 +39,8 @@ def prompts():
 def stored_tokens(p, partial: bool = True) -> int:
     """What a consumer should load of prompt ``p`` after a producer stored it: the whole
     prompt (its trailing partial chunk is stored too, ``save_partial``) or, with
-    ``partial=False``, its whole chunks; cut to whole blocks leaving one token to compute."""
-    return min(len(p) if partial else len(p) // C * C, len(p) - 1) // BLOCK * BLOCK
+    ``partial=False``, its whole chunks; all but the last prompt token, which vLLM computes."""
+    return min(len(p) if partial else len(p) // C * C, len(p) - 1)
 
 
 def vllm_python() -> str:
@@ -230,10 +230,10 @@ def test_corrupted_object_is_recomputed_not_served(tmp_path, reference):
         f.write(data)
     cons = run(tmp_path, "consumer", ps, dict(store=f"file://{store_dir}", stats_path=str(tmp_path / "c")))
     assert tokens(cons) == tokens(reference)[:2]
-    # vLLM reports the tokens the connector matched (992), then recomputes the 480 from the bad chunk on
-    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [672, 992]
+    # vLLM reports the tokens the connector matched (999), then recomputes the 487 from the bad chunk on
+    assert [o["num_cached_tokens"] for o in cons["outputs"]] == [699, 999]
     _, cw = stats(tmp_path / "c")
-    assert cw["store"]["checksum_failures"] == 1 and cw["load_failed_tokens"] == 992 - 512
+    assert cw["store"]["checksum_failures"] == 1 and cw["load_failed_tokens"] == 999 - 512
     # the bad object was deleted, and the consumer stored the chunk it recomputed in its place
     assert cw["saved_chunks"] == 1
     assert kvwire.Reader(open(path, "rb").read()).load(verify=True).header.token_count == C

@@ -75,7 +75,7 @@ def test_ident7_tenants_and_adapters_never_share_in_a_real_engine(tmp_path):
 def test_ident7_multimodal_requests_share_only_before_the_image(tmp_path):
     """KVW-IDENT-4/7 with vLLM's own Request objects (MultiModalFeatureSpec, PlaceholderRange)
     through the connector's scheduler side: a prompt stored with image img-x at tokens
-    300..363 serves the same image fully (672 of 700, whole blocks leaving one token), a
+    300..363 serves the same image fully (699 of 700: all but the last token), a
     different image, the same image at another position or no image only chunk 0 (256, before
     the image), a salted request nothing; prompt embeddings and an adapter whose files are
     missing are unbindable, never looked up. Also the connector's store defaults: ``memory://`` refused with the reason, no store = ``default_store_url()``."""
@@ -88,7 +88,7 @@ def test_ident7_multimodal_requests_share_only_before_the_image(tmp_path):
     if proc.returncode:
         pytest.fail(f"driver failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     got = json.loads(out.read_text())
-    assert got["matched"] == {"same image": 672, "other image": 256, "same image elsewhere": 256, "no image": 256,
+    assert got["matched"] == {"same image": 699, "other image": 256, "same image elsewhere": 256, "no image": 256,
                               "image and salt": 0, "prompt embeds": 0, "missing adapter": 0}
     assert got["counts"]["unbindable"] == 2 and got["counts"]["lookups"] == 5
     # memory:// is refused with the reason; no store = the private per-user directory

@@ -352,19 +352,19 @@ def test_tail_is_saved_once_after_the_whole_prompt_and_its_chunks():
     assert tail_to_save(loaded, 700, 256) is None  # whole chunks first (chunks_to_save moves saved)
 
 
-def test_partial_tail_round_trip_serves_all_but_the_last_block(fidelity_key):
+def test_partial_tail_round_trip_serves_all_but_the_last_token(fidelity_key):
     """KVW-STORE-11 "partial": a 116-token prompt (3 chunks + 20 tokens) stored with its tail
     is found whole by the lookup the connector makes, and loads back layer by layer up to
-    the last whole block before the last token."""
+    the token before the last (vLLM computes the last one)."""
     key, kv = fidelity_key, KVStore(MemoryStore())
     prompt, src = stored_prompt(key, kv, 3 * C + 20, 10, partial=True)
     hit = kv.lookup(prompt, key.space, partial=True)
     assert hit.tokens == 3 * C + 20 and kv.lookup(prompt, key.space).tokens == 3 * C
-    stop = (len(prompt) - 1) // BS * BS  # what matched_tokens gives: 112
+    stop = len(prompt) - 1  # what matched_tokens gives: 115 (inside the last block)
     bufs = consumer_buffers(key, 8, 11)
-    _, served = run_pipeline(key, kv, [("a", prompt, 0, stop, list(range(7)))], bufs)
+    _, served = run_pipeline(key, kv, [("a", prompt, 0, stop, list(range(8)))], bufs)  # the prompt's 8 blocks
     assert served == [3 * C + 20]
-    got = gather_slots(bufs[1], slots(list(range(7)), BS, 0, stop), 64)
+    got = gather_slots(bufs[1], slots(list(range(8)), BS, 0, stop), 64)
     assert np.array_equal(bits(got["k"]), bits(src[1]["k"][:, :stop]))
 
 

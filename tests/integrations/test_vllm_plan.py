@@ -91,22 +91,22 @@ def hand_scatter(buf: torch.Tensor, slot_ids, arrays: dict) -> torch.Tensor:
 # -- matched_tokens -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hit, prompt_len, computed, block_size, want", [
-    (512, 512, 0, 32, 480),   # the whole prompt stored, a multiple of chunk and block: its last block is computed
-    (256, 256, 0, 32, 224),   # one chunk = the whole prompt
-    (256, 256, 0, 256, 0),    # block = chunk = prompt: nothing can be offered
+    (512, 512, 0, 32, 511),   # the whole prompt stored: all but its last token, which vLLM computes
+    (256, 256, 0, 32, 255),   # one chunk = the whole prompt
+    (256, 256, 0, 256, 255),  # block = chunk = prompt: a load may end inside a block
     (256, 257, 0, 32, 256),   # one token beyond the stored chunk: all of it
     (256, 300, 0, 32, 256),
-    (300, 300, 0, 32, 288),   # a hit of the whole (partially stored) prompt: cut to whole blocks below 299
-    (250, 300, 0, 32, 224),   # a hit that is not block-aligned is cut down
-    (32, 32, 0, 32, 0),
+    (300, 300, 0, 32, 299),   # a hit of the whole (partially stored) prompt
+    (250, 300, 0, 32, 250),   # a hit that is not block-aligned is offered as it is
+    (32, 32, 0, 32, 31),
     (33, 33, 0, 32, 32),
-    (1, 1, 0, 16, 0),
+    (1, 1, 0, 16, 0),         # a one-token prompt: that token is computed
     (0, 100, 0, 16, 0),       # a miss
     (256, 300, 64, 32, 192),  # vLLM's local prefix cache has two blocks: the connector offers the rest
     (256, 300, 256, 32, 0),   # vLLM has all of it locally
     (128, 300, 256, 32, 0),   # vLLM has more than the store: never negative
-    (512, 512, 480, 32, 0),
-    (512, 512, 448, 32, 32),
+    (512, 512, 480, 32, 31),
+    (512, 512, 448, 32, 63),
 ])
 def test_matched_tokens_examples(hit, prompt_len, computed, block_size, want):
     assert matched_tokens(hit, prompt_len, computed, block_size) == want
@@ -116,16 +116,17 @@ def test_matched_tokens_examples(hit, prompt_len, computed, block_size, want):
        computed_blocks=st.integers(0, 400))
 def test_matched_tokens_property(block_size, prompt_len, hit, computed_blocks):
     """For vLLM's local hits (whole blocks, never the last prompt token): the offer is >= 0,
-    ends on a block boundary within both the stored prefix and prompt_len - 1, and is the
-    largest such (one more block would pass one of the bounds)."""
+    ends within both the stored prefix and prompt_len - 1, and is the largest such: the
+    stored prefix up to the last prompt token, wherever it ends in a block."""
     computed = min(computed_blocks * block_size, (prompt_len - 1) // block_size * block_size)
     n = matched_tokens(hit, prompt_len, computed, block_size)
     assert n >= 0
     end = computed + n
     if n:
-        assert end % block_size == 0
         assert end <= hit and end <= prompt_len - 1  # at least one prompt token left to compute
-    assert end + block_size > min(hit, prompt_len - 1)  # maximal
+        assert end == min(hit, prompt_len - 1)  # maximal
+    else:
+        assert min(hit, prompt_len - 1) <= computed
 
 
 # -- chunks_to_save -------------------------------------------------------------------------

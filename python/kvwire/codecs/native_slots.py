@@ -39,12 +39,21 @@ def _args(std: np.ndarray[Any, Any], ids: np.ndarray[Any, Any], paged: np.ndarra
     return (h, t, d, w, std.strides[0], ids.ctypes.data, paged.ctypes.data, paged.shape[0], paged.shape[2], strides)
 
 
-def _call(fn: Any, std_ptr: int, a: tuple[Any, ...]) -> None:
-    h, t, d, w, hs, ids, paged, nb, n, strides = a
+def _copy(name: str, std: np.ndarray[Any, Any], ids: np.ndarray[Any, Any], paged: np.ndarray[Any, Any],
+          written: np.ndarray[Any, Any]) -> bool:
+    """``kvw_scatter_slots`` or ``kvw_gather_slots`` over the arrays (``written``: the one
+    the call writes); False when native is off or C does not take them."""
+    lib = cdll()
+    if lib is None or not written.flags.writeable or not std.size:
+        return False
+    a = _args(std, ids, paged)
+    if a is None:
+        return False
+    h, t, d, w, hs, ids_ptr, paged_ptr, nb, n, strides = a
     e = KvwError()
-    code = fn(std_ptr, h, t, d, w, hs, ids, paged, nb, n, strides, ctypes.byref(e))
-    if code:
+    if getattr(lib, name)(std.ctypes.data, h, t, d, w, hs, ids_ptr, paged_ptr, nb, n, strides, ctypes.byref(e)):
         raise ValueError(e.message.decode(errors="replace"))
+    return True
 
 
 def scatter_slots(std: np.ndarray[Any, Any], ids: np.ndarray[Any, Any], paged: np.ndarray[Any, Any]) -> bool:
@@ -52,24 +61,10 @@ def scatter_slots(std: np.ndarray[Any, Any], ids: np.ndarray[Any, Any], paged: n
     writable ``paged`` [blocks, heads, block_size, dim] view. False (nothing written) when
     native is off or C does not take the arrays; a ValueError for a slot outside the view
     (checked before any byte is written)."""
-    lib = cdll()
-    if lib is None or not paged.flags.writeable or not std.size:
-        return False
-    a = _args(std, ids, paged)
-    if a is None:
-        return False
-    _call(lib.kvw_scatter_slots, std.ctypes.data, a)
-    return True
+    return _copy("kvw_scatter_slots", std, ids, paged, paged)
 
 
 def gather_slots(paged: np.ndarray[Any, Any], ids: np.ndarray[Any, Any], std: np.ndarray[Any, Any]) -> bool:
     """Copy the slots ``ids`` of ``paged`` into the writable ``std`` [heads, tokens, dim];
     False when native is off or C does not take the arrays (see ``scatter_slots``)."""
-    lib = cdll()
-    if lib is None or not std.flags.writeable or not std.size:
-        return False
-    a = _args(std, ids, paged)
-    if a is None:
-        return False
-    _call(lib.kvw_gather_slots, std.ctypes.data, a)
-    return True
+    return _copy("kvw_gather_slots", std, ids, paged, std)

@@ -14,8 +14,8 @@ objects that any kvwire reader can read (one file-form container per chunk, keye
 prefix hash chain, spec/store.md). Two requests sharing a prefix share objects, so a
 document or a system prompt stored by one vLLM instance serves every other.
 
-Scheduler side: ``get_num_new_matched_tokens`` returns the stored prefix cut to whole
-blocks, leaving at least one token to compute; ``build_connector_meta`` hands the workers a
+Scheduler side: ``get_num_new_matched_tokens`` returns the stored prefix up to the prompt's
+last token, which vLLM computes (a load may end inside a block); ``build_connector_meta`` hands the workers a
 ``KVWireMetadata`` of loads (tokens and block ids) and saves (whole chunks that this step
 completes and that were not loaded). Worker side: ``register_kv_caches`` takes vLLM's
 standardised per-layer view ``[num_blocks, heads, block_size, 2 * head_dim]``; loads are
